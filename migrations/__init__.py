@@ -1,0 +1,1 @@
+"""Alembic migrations; shipped as a package so that ``busctl migrate`` finds them."""

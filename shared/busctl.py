@@ -1,0 +1,215 @@
+"""busctl: administer an agentbus database (migrate, enqueue, inspect, retry)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+
+from shared import cli
+from shared.config import Settings
+from shared.db import Database, migrate, redact
+from shared.queue import TaskQueue
+from shared.states import TaskStatus
+from shared.tasks import TaskSpec, parse_models, parse_payload
+
+
+@dataclass
+class Context:
+    settings: Settings
+    _db: Database | None = field(default=None, init=False)
+
+    def database(self, *, migrated: bool = True) -> Database:
+        if self._db is None:
+            self._db = Database.from_settings(self.settings)
+            if migrated:
+                self._db.require_migrated()
+            else:
+                self._db.check_connection()
+        return self._db
+
+    def queue(self) -> TaskQueue:
+        return TaskQueue(self.database(), max_attempts=self.settings.max_attempts)
+
+
+pass_ctx = click.make_pass_decorator(Context)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@cli.db_option
+@cli.config_option
+@click.version_option(package_name="agentbus")
+@click.pass_context
+def busctl(ctx: click.Context, db_url: str | None, config_file: str | None) -> None:
+    """Administer an agentbus queue: migrate, enqueue, inspect, retry."""
+    settings = cli.load_settings(config_file, database_url=db_url)
+    ctx.obj = Context(settings)
+    ctx.call_on_close(lambda: ctx.obj._db.dispose() if ctx.obj._db else None)
+
+
+@busctl.command("migrate")
+@pass_ctx
+def migrate_cmd(c: Context) -> None:
+    """Create or upgrade the schema (adopts an older bus_commands table in place)."""
+    db = c.database(migrated=False)
+    before = db.current_revision()
+    migrate(db)
+    after = db.current_revision()
+    if before == after:
+        click.echo(f"{redact(db.url)} is up to date ({after})")
+    else:
+        click.echo(f"migrated {redact(db.url)} from {before or 'nothing'} to {after}")
+
+
+@busctl.command("enqueue")
+@click.option("--agent", required=True, help="The agent whose worker runs the task.")
+@click.option("--models", "models", metavar="M1,M2", help="Explicit model chain, tried in order.")
+@click.option("--role", metavar="ROLE", help="A configured role that names the models.")
+@click.option("--payload", metavar="JSON", help="A JSON object handed to the task.")
+@click.option("--priority", type=int, default=0, show_default=True, help="Higher runs first.")
+@click.option("--run-after", type=float, default=0.0, metavar="SECONDS", help="Delay the task.")
+@click.option("--max-attempts", type=int, help="Attempts before failing [default: setting].")
+@click.option("--key", metavar="K", help="Idempotency key: enqueueing it again returns the task.")
+@click.argument("text")
+@pass_ctx
+def enqueue_cmd(
+    c: Context,
+    agent: str,
+    models: str | None,
+    role: str | None,
+    payload: str | None,
+    priority: int,
+    run_after: float,
+    max_attempts: int | None,
+    key: str | None,
+    text: str,
+) -> None:
+    """Put a task on the queue and print its id."""
+    if models is not None and role is not None:
+        raise click.UsageError("give --models or --role, not both")
+    spec = TaskSpec(
+        agent=agent,
+        command=text,
+        models=parse_models(models) if models is not None else None,
+        role=role,
+        payload=parse_payload(payload),
+        priority=priority,
+        delay_sec=run_after,
+        max_attempts=max_attempts,
+        key=key,
+    )
+    result = c.queue().enqueue(spec)
+    if not result.created:
+        click.echo(f"busctl: key {key!r} already names task {result.id}", err=True)
+    click.echo(result.id)
+
+
+@busctl.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_ctx
+def status_cmd(c: Context, as_json: bool) -> None:
+    """Task counts by status and agent."""
+    counts = c.queue().counts()
+    agents = sorted({agent for _, agent in counts})
+    statuses = [s.value for s in TaskStatus]
+    if as_json:
+        by_agent = {a: {s: counts[(s, a)] for s in statuses} for a in agents}
+        totals = {s: sum(counts[(s, a)] for a in agents) for s in statuses}
+        click.echo(json.dumps({"tasks": by_agent, "totals": totals}, indent=2))
+        return
+    rows = [[a, *(counts[(s, a)] for s in statuses)] for a in agents]
+    rows.append(["(all)", *(sum(counts[(s, a)] for a in agents) for s in statuses)])
+    click.echo(cli.table(["agent", *statuses], rows))
+
+
+@busctl.command("show")
+@click.argument("task_id", type=int)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_ctx
+def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
+    """One task: its row and its events."""
+    queue = c.queue()
+    task = queue.get(task_id)
+    events = queue.events(task_id)
+    if as_json:
+        click.echo(json.dumps({"task": task.as_dict(), "events": events}, indent=2))
+        return
+    times = {
+        "run_after",
+        "lease_until",
+        "resume_after",
+        "first_paused_at",
+        "created_at",
+        "updated_at",
+    }
+    for name, value in task.as_dict().items():
+        shown = cli.fmt_time(value) if name in times and value else value
+        if isinstance(shown, (dict, list)):
+            shown = json.dumps(shown)
+        click.echo(f"{name:>16}: {'-' if shown is None else shown}")
+    click.echo("")
+    rows = [
+        [
+            cli.fmt_time(e["at"]),
+            e["from_status"] or "-",
+            e["to_status"],
+            e["reason"],
+            e["worker"],
+            e["claim_token"],
+            json.dumps(e["detail"]) if e["detail"] else None,
+        ]
+        for e in events
+    ]
+    click.echo(cli.table(["at", "from", "to", "reason", "worker", "token", "detail"], rows))
+
+
+@busctl.command("tasks")
+@click.option("--status", type=click.Choice([s.value for s in TaskStatus]))
+@click.option("--agent")
+@click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_ctx
+def tasks_cmd(c: Context, status: str | None, agent: str | None, limit: int, as_json: bool) -> None:
+    """The newest tasks, optionally filtered."""
+    tasks = c.queue().tasks(status=status, agent=agent, limit=limit)
+    if as_json:
+        click.echo(json.dumps([t.as_dict() for t in tasks], indent=2))
+        return
+    rows: list[list[Any]] = [
+        [
+            t.id,
+            t.agent,
+            t.status.value,
+            t.priority,
+            f"{t.attempts}/{t.max_attempts}",
+            cli.fmt_time(t.resume_after) if t.resume_after else None,
+            cli.fmt_time(t.created_at),
+            _excerpt(t.command),
+        ]
+        for t in tasks
+    ]
+    click.echo(
+        cli.table(
+            ["id", "agent", "status", "prio", "tries", "resume_after", "created", "text"], rows
+        )
+    )
+
+
+@busctl.command("retry")
+@click.argument("task_id", type=int)
+@pass_ctx
+def retry_cmd(c: Context, task_id: int) -> None:
+    """Put a failed or errored task back on the queue."""
+    c.queue().retry(task_id)
+    click.echo(f"task {task_id} re-queued")
+
+
+def _excerpt(text: str | None, width: int = 48) -> str:
+    flat = " ".join((text or "").split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def main() -> None:
+    cli.run(busctl, "busctl")

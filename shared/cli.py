@@ -1,0 +1,87 @@
+"""What every agentbus command line shares: one-line errors and settings loading.
+
+A ``BusError`` (a user mistake or an unreachable database) and a click usage
+error become one line on stderr and exit status 2; anything else is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+import sqlalchemy as sa
+
+from shared.config import Settings
+from shared.db import first_line
+from shared.errors import BusError
+
+EXIT_USAGE = 2
+
+
+def run(command: click.Command, prog: str, args: list[str] | None = None) -> None:
+    """Run a click command the agentbus way and exit."""
+    try:
+        rv = command.main(args=args, prog_name=prog, standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo(f"{prog}: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        click.echo(f"{prog}: error: {_one_line(exc.format_message())}", err=True)
+        sys.exit(exc.exit_code)
+    except BusError as exc:
+        click.echo(f"{prog}: error: {_one_line(exc.message)}", err=True)
+        sys.exit(EXIT_USAGE)
+    except sa.exc.OperationalError as exc:
+        # Still failing after the retries of shared.db: the database is gone.
+        click.echo(f"{prog}: error: database unavailable: {first_line(exc.orig)}", err=True)
+        sys.exit(EXIT_USAGE)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def load_settings(config: str | None, **overrides: Any) -> Settings:
+    return Settings.load(config, overrides)
+
+
+def db_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--db",
+        "db_url",
+        metavar="URL",
+        help="Database URL [env AGENTBUS_DATABASE_URL; default sqlite:///ops_multiagent.db].",
+    )(fn)
+
+
+def config_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--config",
+        "config_file",
+        metavar="FILE",
+        type=click.Path(dir_okay=False),
+        help="TOML config file [env AGENTBUS_CONFIG; default ./agentbus.toml if present].",
+    )(fn)
+
+
+def fmt_time(epoch: float | None) -> str:
+    if epoch is None:
+        return "-"
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [[str(c) for c in headers], *[["-" if c is None else str(c) for c in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

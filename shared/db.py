@@ -1,0 +1,255 @@
+"""Engines, transactions and the one place transient database errors are retried.
+
+SQLite runs in WAL mode with a busy timeout, and every write transaction
+starts with ``BEGIN IMMEDIATE`` so that two writers queue on the lock instead
+of failing on a lock upgrade. Postgres connections are checked before use.
+A unit of work is a function of a connection; :meth:`Database.write` and
+:meth:`Database.read` run it in one transaction and run it again, from the
+start, when the database reports a transient error (locked, busy, connection
+lost, serialization failure, server restarting).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psycopg
+import sqlalchemy as sa
+import tenacity
+from sqlalchemy.engine import URL, Connection, Engine
+
+from shared.errors import BusError, DatabaseUnavailable, NotMigrated
+from shared.logging import get_logger
+
+T = TypeVar("T")
+log = get_logger("agentbus.db")
+
+_SQLITE_BUSY = 5
+_SQLITE_LOCKED = 6
+
+
+def parse_url(raw: str) -> URL:
+    """Parse a database URL, defaulting Postgres to the psycopg 3 driver."""
+    try:
+        url = sa.make_url(raw)
+    except sa.exc.ArgumentError:
+        raise BusError(
+            "invalid database URL: expected sqlite:///FILE or postgresql+psycopg://USER@HOST/DB"
+        ) from None
+    if url.drivername in {"postgres", "postgresql"}:
+        url = url.set(drivername="postgresql+psycopg")
+    if url.get_backend_name() not in {"sqlite", "postgresql"}:
+        raise BusError(
+            f"unsupported database {url.get_backend_name()!r}: use sqlite:///FILE "
+            "or postgresql+psycopg://USER@HOST/DB"
+        )
+    if url.get_backend_name() == "postgresql" and url.get_driver_name() != "psycopg":
+        raise BusError("use the psycopg 3 driver: postgresql+psycopg://USER@HOST/DB")
+    return url
+
+
+def redact(raw: str | URL) -> str:
+    """The URL with any password masked: safe for logs and error messages."""
+    if isinstance(raw, URL):
+        return raw.render_as_string(hide_password=True)
+    try:
+        return sa.make_url(raw).render_as_string(hide_password=True)
+    except sa.exc.ArgumentError:
+        return "<unparseable URL>"
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether running the same unit of work again may succeed."""
+    if not isinstance(exc, sa.exc.DBAPIError):
+        return False
+    if exc.connection_invalidated:
+        return True
+    orig = exc.orig
+    if isinstance(orig, sqlite3.OperationalError):
+        code = getattr(orig, "sqlite_errorcode", None)
+        if code is not None:
+            return code & 0xFF in {_SQLITE_BUSY, _SQLITE_LOCKED}
+        return "locked" in str(orig) or "busy" in str(orig)
+    return isinstance(orig, psycopg.OperationalError)
+
+
+class Database:
+    """One database: its engine, its dialect, and retried transactions."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        retry_for: float = 30.0,
+        sqlite_busy_timeout_ms: int = 5000,
+        sqlite_synchronous: str = "FULL",
+        pool_size: int = 5,
+    ) -> None:
+        self.url = parse_url(url)
+        self.dialect = self.url.get_backend_name()
+        self.retry_for = retry_for
+        if self.dialect == "sqlite":
+            self.engine = _sqlite_engine(self.url, sqlite_busy_timeout_ms, sqlite_synchronous)
+        else:
+            self.engine = sa.create_engine(
+                self.url, pool_pre_ping=True, pool_size=pool_size, max_overflow=pool_size
+            )
+        self._read_engine = self.engine.execution_options(agentbus_read_only=True)
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Database:
+        return cls(
+            settings.database_url,
+            retry_for=settings.db_retry_sec,
+            sqlite_busy_timeout_ms=settings.sqlite_busy_timeout_ms,
+            sqlite_synchronous=settings.sqlite_synchronous,
+        )
+
+    def __repr__(self) -> str:
+        return f"Database({redact(self.url)})"
+
+    def write(self, work: Callable[[Connection], T]) -> T:
+        """Run ``work`` in one write transaction, retrying transient errors."""
+        return self._retrying(lambda: self._once(self.engine, work))
+
+    def read(self, work: Callable[[Connection], T]) -> T:
+        """Run ``work`` in one read-only transaction, retrying transient errors."""
+        return self._retrying(lambda: self._once(self._read_engine, work))
+
+    @staticmethod
+    def _once(engine: Engine, work: Callable[[Connection], T]) -> T:
+        with engine.begin() as conn:
+            return work(conn)
+
+    def _retrying(self, fn: Callable[[], T]) -> T:
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(is_transient),
+            stop=tenacity.stop_after_delay(self.retry_for),
+            wait=tenacity.wait_exponential_jitter(initial=0.02, max=2.0),
+            before_sleep=_log_retry,
+            reraise=True,
+        )
+        return retrying(fn)
+
+    def check_connection(self) -> None:
+        """Fail fast, with one readable line, when the database cannot be reached."""
+        try:
+            with self.engine.connect() as conn:
+                conn.exec_driver_sql("SELECT 1")
+        except sa.exc.DBAPIError as exc:
+            raise DatabaseUnavailable(
+                f"cannot connect to {redact(self.url)}: {first_line(exc.orig)}"
+            ) from None
+
+    def current_revision(self) -> str | None:
+        from alembic.runtime.migration import MigrationContext
+
+        def work(conn: Connection) -> str | None:
+            return MigrationContext.configure(conn).get_current_revision()
+
+        return self.read(work)
+
+    def require_migrated(self) -> None:
+        """Raise NotMigrated unless the schema is at the newest migration.
+
+        A SQLite file that does not exist is reported, not created.
+        """
+        path = self.sqlite_path()
+        if path is not None and not path.exists():
+            raise NotMigrated(f"database file {path} does not exist: run `busctl migrate`")
+        self.check_connection()
+        head = head_revision()
+        current = self.current_revision()
+        if current != head:
+            state = "has no agentbus schema" if current is None else f"is at {current}"
+            raise NotMigrated(
+                f"database {redact(self.url)} {state}, not {head}: run `busctl migrate`"
+            )
+
+    def sqlite_path(self) -> Path | None:
+        """The file of a SQLite database (None for Postgres or in-memory)."""
+        if self.dialect != "sqlite" or self.url.database in (None, "", ":memory:"):
+            return None
+        return Path(self.url.database)
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def first_line(exc: BaseException | None) -> str:
+    text = str(exc).strip() if exc is not None else ""
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _log_retry(state: tenacity.RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome else None
+    log.warning(
+        "db_retry",
+        attempt=state.attempt_number,
+        error=first_line(getattr(exc, "orig", exc)),
+    )
+
+
+def _sqlite_engine(url: URL, busy_timeout_ms: int, synchronous: str) -> Engine:
+    engine = sa.create_engine(url, connect_args={"timeout": busy_timeout_ms / 1000})
+
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+        # Take transaction control away from the driver: we emit BEGIN ourselves.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        cur.execute(f"PRAGMA synchronous={synchronous.upper()}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        if conn.get_execution_options().get("agentbus_read_only"):
+            conn.exec_driver_sql("BEGIN")
+        else:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def migrations_dir() -> Path:
+    return Path(str(resources.files("migrations")))
+
+
+def alembic_config(db: Database | None = None) -> Any:
+    """An Alembic Config for the shipped migrations (bound to ``db`` if given)."""
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    if db is not None:
+        cfg.attributes["database"] = db
+    return cfg
+
+
+def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def migrate(db: Database, revision: str = "head") -> None:
+    """Bring the schema to ``revision`` (adopting an older bus_commands table)."""
+    from alembic import command
+
+    db.check_connection()
+    command.upgrade(alembic_config(db), revision)
+
+
+def downgrade(db: Database, revision: str) -> None:
+    from alembic import command
+
+    command.downgrade(alembic_config(db), revision)

@@ -1,0 +1,61 @@
+"""The exceptions of agentbus.
+
+``BusError`` and its subclasses are meant for people: the command-line tools
+print their message as one line on stderr and exit with status 2. Any other
+exception is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class BusError(Exception):
+    """agentbus could not do what was asked."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or self.__doc__ or self.__class__.__name__)
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0])
+
+
+class ConfigError(BusError):
+    """The configuration is invalid."""
+
+
+class DatabaseUnavailable(BusError):
+    """The database cannot be reached."""
+
+
+class NotMigrated(BusError):
+    """The database schema is not at the current version: run `busctl migrate`."""
+
+
+class TaskNotFound(BusError):
+    """No such task."""
+
+
+class TransitionRejected(BusError):
+    """A guarded status change matched no row.
+
+    The task was not in the expected state, or the caller's claim token was
+    superseded (its lease expired and the task was rescued). The caller must
+    treat its work on the task as void: another claim owns it now.
+    """
+
+    def __init__(
+        self,
+        task_id: int,
+        action: str,
+        expected: str,
+        actual: str | None,
+        token: int | None = None,
+    ) -> None:
+        self.task_id = task_id
+        self.action = action
+        self.expected = expected
+        self.actual = actual
+        self.token = token
+        where = "no such task" if actual is None else f"it is {actual}"
+        fence = f" with claim token {token}" if token is not None else ""
+        super().__init__(f"cannot {action} task {task_id}{fence}: expected {expected}, but {where}")

@@ -1,0 +1,57 @@
+"""The append-only task event log: one row per transition, written with it.
+
+Only ``shared.queue`` appends (in the transaction of the change it
+describes); everyone may read. KPIs are computed from this log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from shared.schema import task_events
+
+
+def record(
+    conn: Connection,
+    rows: Iterable[Mapping[str, Any]],
+) -> None:
+    """Append events; each mapping has task_id, from_status, to_status, reason,
+    worker, claim_token, at and detail."""
+    batch = [dict(r) for r in rows]
+    if batch:
+        conn.execute(sa.insert(task_events), batch)
+
+
+def event(
+    task_id: int,
+    from_status: str | None,
+    to_status: str,
+    at: float,
+    *,
+    reason: str | None = None,
+    worker: str | None = None,
+    claim_token: int | None = None,
+    detail: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "task_id": task_id,
+        "from_status": from_status,
+        "to_status": to_status,
+        "reason": reason,
+        "worker": worker,
+        "claim_token": claim_token,
+        "at": at,
+        "detail": dict(detail) if detail else None,
+    }
+
+
+def for_task(conn: Connection, task_id: int) -> list[dict[str, Any]]:
+    """The events of one task, oldest first."""
+    rows = conn.execute(
+        sa.select(task_events).where(task_events.c.task_id == task_id).order_by(task_events.c.id)
+    )
+    return [dict(r._mapping) for r in rows]

@@ -1,0 +1,137 @@
+"""The tables of agentbus: the only place where tables and columns are named.
+
+Times are REAL Unix epoch seconds everywhere (the older system's columns were
+REAL and operators compare them with ``strftime('%s','now')``). The Alembic
+migrations in ``migrations/`` create exactly this schema; a test compares them.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from shared.states import TaskStatus
+
+metadata = sa.MetaData()
+
+#: Integer primary keys: 64-bit on Postgres, the rowid alias on SQLite.
+BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+Epoch = sa.Float(precision=53).with_variant(sa.REAL(), "sqlite")
+
+STATUS_VALUES = ", ".join(f"'{s.value}'" for s in TaskStatus)
+STATUS_CHECK = f"status IN ({STATUS_VALUES})"
+
+bus_commands = sa.Table(
+    "bus_commands",
+    metadata,
+    sa.Column("id", BigId, primary_key=True),
+    sa.Column("agent", sa.Text, nullable=False),
+    sa.Column("command", sa.Text),
+    sa.Column("payload", sa.JSON),
+    sa.Column("models", sa.JSON),
+    sa.Column("role", sa.Text),
+    sa.Column("status", sa.Text, nullable=False, server_default="queued"),
+    sa.Column("priority", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("run_after", Epoch, nullable=False, server_default="0"),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("max_attempts", sa.Integer, nullable=False, server_default="3"),
+    sa.Column("claim_token", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("claimed_by", sa.Text),
+    sa.Column("claimed_at", Epoch),
+    sa.Column("lease_until", Epoch),
+    sa.Column("resume_after", Epoch),
+    sa.Column("first_paused_at", Epoch),
+    sa.Column("pause_reason", sa.Text),
+    sa.Column("pause_model", sa.Text),
+    sa.Column("pause_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("resume_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("reentry_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("rescue_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("idempotency_key", sa.Text),
+    sa.Column("result", sa.Text),
+    sa.Column("result_note", sa.Text),
+    sa.Column("last_error", sa.Text),
+    sa.Column("created_at", Epoch),
+    sa.Column("updated_at", Epoch),
+    sa.CheckConstraint(STATUS_CHECK, name="ck_bus_commands_status"),
+    sa.UniqueConstraint("idempotency_key", name="uq_bus_commands_idempotency_key"),
+    sqlite_autoincrement=True,
+)
+
+# Claiming reads the queued tasks of one agent in priority-then-age order;
+# the sweeper reads paused tasks by resume_after and claimed tasks by lease.
+# Partial indexes keep each of these a range scan over the rows that matter.
+sa.Index(
+    "ix_bus_commands_claim",
+    bus_commands.c.agent,
+    bus_commands.c.priority.desc(),
+    bus_commands.c.id,
+    sqlite_where=sa.text("status = 'queued'"),
+    postgresql_where=sa.text("status = 'queued'"),
+)
+sa.Index(
+    "ix_bus_commands_paused_due",
+    bus_commands.c.resume_after,
+    sqlite_where=sa.text("status = 'paused'"),
+    postgresql_where=sa.text("status = 'paused'"),
+)
+sa.Index(
+    "ix_bus_commands_lease",
+    bus_commands.c.lease_until,
+    sqlite_where=sa.text("status = 'claimed'"),
+    postgresql_where=sa.text("status = 'claimed'"),
+)
+
+task_events = sa.Table(
+    "task_events",
+    metadata,
+    sa.Column("id", BigId, primary_key=True),
+    sa.Column("task_id", sa.BigInteger, nullable=False),
+    sa.Column("from_status", sa.Text),
+    sa.Column("to_status", sa.Text, nullable=False),
+    sa.Column("reason", sa.Text),
+    sa.Column("worker", sa.Text),
+    sa.Column("claim_token", sa.BigInteger),
+    sa.Column("at", Epoch, nullable=False),
+    sa.Column("detail", sa.JSON),
+    sqlite_autoincrement=True,
+)
+sa.Index("ix_task_events_task", task_events.c.task_id, task_events.c.id)
+sa.Index("ix_task_events_at", task_events.c.at)
+
+model_cooldown = sa.Table(
+    "model_cooldown",
+    metadata,
+    sa.Column("model_id", sa.Text, primary_key=True),
+    sa.Column("cooldown_until", Epoch, nullable=False),
+    sa.Column("updated_at", Epoch, nullable=False),
+    sa.Column("reason", sa.Text),
+    sa.Column("source", sa.Text),
+)
+
+ops_todos = sa.Table(
+    "ops_todos",
+    metadata,
+    sa.Column("id", BigId, primary_key=True),
+    sa.Column("kind", sa.Text, nullable=False),
+    sa.Column("task_id", sa.BigInteger),
+    sa.Column("agent", sa.Text),
+    sa.Column("why", sa.Text, nullable=False),
+    sa.Column("created_at", Epoch, nullable=False),
+    sa.Column("resolved_at", Epoch),
+    sa.UniqueConstraint("kind", "task_id", name="uq_ops_todos_kind_task"),
+    sqlite_autoincrement=True,
+)
+
+workers = sa.Table(
+    "workers",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("agent", sa.Text, nullable=False),
+    sa.Column("host", sa.Text, nullable=False),
+    sa.Column("pid", sa.Integer, nullable=False),
+    sa.Column("started_at", Epoch, nullable=False),
+    sa.Column("heartbeat_at", Epoch, nullable=False),
+    sa.Column("consecutive_failures", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("backoff_until", Epoch),
+    sa.Column("current_task", sa.BigInteger),
+)

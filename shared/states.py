@@ -1,0 +1,56 @@
+"""Task states and the legal transitions between them (SPEC §2).
+
+The schema mirrors ``TaskStatus`` with a CHECK constraint; ``shared.queue`` is
+the only code that moves a task from one state to another, and every move it
+makes is one of ``TRANSITIONS``.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class TaskStatus(StrEnum):
+    QUEUED = "queued"
+    CLAIMED = "claimed"
+    DONE = "done"
+    PAUSED = "paused"
+    FAILED = "failed"
+    ERROR = "error"
+
+
+Q, C, D, P, F, E = (
+    TaskStatus.QUEUED,
+    TaskStatus.CLAIMED,
+    TaskStatus.DONE,
+    TaskStatus.PAUSED,
+    TaskStatus.FAILED,
+    TaskStatus.ERROR,
+)
+
+#: Every legal move, named by the queue operation that makes it.
+TRANSITIONS: dict[str, tuple[frozenset[TaskStatus], TaskStatus]] = {
+    "claim": (frozenset({Q}), C),
+    "complete": (frozenset({C}), D),
+    "fail": (frozenset({C}), F),
+    "error": (frozenset({C}), E),
+    "pause": (frozenset({C}), P),
+    "release": (frozenset({C}), Q),  # shutdown: no attempt spent
+    "requeue": (frozenset({C}), Q),  # retryable failure: attempt spent, run_after set
+    "rescue": (frozenset({C}), Q),  # lease expired: the worker is gone
+    "rescue_fail": (frozenset({C}), F),  # rescued too often: a poison pill
+    "resume": (frozenset({P}), Q),
+    "demote": (frozenset({P}), F),
+    "retry": (frozenset({F, E}), Q),  # operator
+}
+
+LEGAL: frozenset[tuple[TaskStatus, TaskStatus]] = frozenset(
+    (src, dst) for sources, dst in TRANSITIONS.values() for src in sources
+)
+
+TERMINAL: frozenset[TaskStatus] = frozenset({D, F, E})
+
+
+def is_legal(src: TaskStatus, dst: TaskStatus) -> bool:
+    """Whether SPEC §2 allows a task to move from ``src`` to ``dst``."""
+    return (src, dst) in LEGAL

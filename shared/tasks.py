@@ -1,0 +1,187 @@
+"""What a task is, as plain values: the spec a producer enqueues and the row a worker holds.
+
+Validation lives here so that busctl, the Python client and the worker all
+refuse the same bad input with the same message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.errors import BusError
+from shared.states import TaskStatus
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}$")
+MAX_TEXT = 1_000_000
+
+
+class InvalidTask(BusError):
+    """The task is invalid."""
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A task to enqueue. ``models`` (an explicit chain) and/or ``role`` say what runs it."""
+
+    agent: str
+    command: str
+    models: tuple[str, ...] | None = None
+    role: str | None = None
+    payload: Mapping[str, Any] = field(default_factory=dict)
+    priority: int = 0
+    delay_sec: float = 0.0
+    max_attempts: int | None = None
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+def validate(spec: TaskSpec) -> None:
+    """Raise InvalidTask with one readable line when ``spec`` cannot be enqueued."""
+    if not isinstance(spec.agent, str) or not NAME_RE.match(spec.agent):
+        raise InvalidTask(
+            f"invalid agent name {spec.agent!r}: use letters, digits and _ . : / @ + -"
+        )
+    if not isinstance(spec.command, str) or not spec.command.strip():
+        raise InvalidTask("the task text is empty")
+    if len(spec.command) > MAX_TEXT:
+        raise InvalidTask(f"the task text is longer than {MAX_TEXT} characters")
+    if spec.models is None and spec.role is None:
+        raise InvalidTask("a task needs a model chain (--models) or a role (--role)")
+    if spec.models is not None:
+        if not spec.models:
+            raise InvalidTask("the model chain is empty")
+        for model in spec.models:
+            if not isinstance(model, str) or not NAME_RE.match(model):
+                raise InvalidTask(f"invalid model name {model!r}")
+        if len(set(spec.models)) != len(spec.models):
+            raise InvalidTask("the model chain names a model twice")
+    if spec.role is not None and (not isinstance(spec.role, str) or not NAME_RE.match(spec.role)):
+        raise InvalidTask(f"invalid role name {spec.role!r}")
+    if not isinstance(spec.payload, Mapping):
+        raise InvalidTask("the payload must be a JSON object")
+    try:
+        json.dumps(spec.payload, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidTask(f"the payload is not JSON: {exc}") from None
+    if isinstance(spec.priority, bool) or not isinstance(spec.priority, int):
+        raise InvalidTask("priority must be an integer")
+    if not -1_000_000 <= spec.priority <= 1_000_000:
+        raise InvalidTask("priority must be between -1000000 and 1000000")
+    if not isinstance(spec.delay_sec, (int, float)) or not math.isfinite(spec.delay_sec):
+        raise InvalidTask("run-after must be a finite number of seconds")
+    if spec.delay_sec < 0:
+        raise InvalidTask("run-after must not be negative")
+    if spec.max_attempts is not None and (
+        isinstance(spec.max_attempts, bool)
+        or not isinstance(spec.max_attempts, int)
+        or not 1 <= spec.max_attempts <= 1000
+    ):
+        raise InvalidTask("max-attempts must be an integer from 1 to 1000")
+    if spec.key is not None and (not isinstance(spec.key, str) or not 0 < len(spec.key) <= 255):
+        raise InvalidTask("the idempotency key must be 1 to 255 characters")
+
+
+def parse_payload(text: str | None) -> dict[str, Any]:
+    """Parse a payload given as JSON text (it must be an object)."""
+    if text is None or text == "":
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidTask(
+            f"the payload is not valid JSON: {exc.msg} at position {exc.pos}"
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidTask(f"the payload must be a JSON object, not {type(value).__name__}")
+    return value
+
+
+def parse_models(text: str) -> tuple[str, ...]:
+    """Parse a comma-separated model chain."""
+    return tuple(part.strip() for part in text.split(","))
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task as stored (a snapshot of its row)."""
+
+    id: int
+    agent: str
+    command: str | None
+    status: TaskStatus
+    payload: dict[str, Any]
+    models: tuple[str, ...] | None
+    role: str | None
+    priority: int
+    run_after: float
+    attempts: int
+    max_attempts: int
+    claim_token: int
+    claimed_by: str | None
+    lease_until: float | None
+    resume_after: float | None
+    first_paused_at: float | None
+    pause_reason: str | None
+    pause_model: str | None
+    pause_count: int
+    resume_count: int
+    reentry_count: int
+    rescue_count: int
+    idempotency_key: str | None
+    result: str | None
+    result_note: str | None
+    last_error: str | None
+    created_at: float | None
+    updated_at: float | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[Any, Any]) -> Task:
+        models = row["models"]
+        payload = row["payload"]
+        return cls(
+            id=int(row["id"]),
+            agent=row["agent"],
+            command=row["command"],
+            status=TaskStatus(row["status"]),
+            payload=payload if isinstance(payload, dict) else {},
+            models=tuple(models) if isinstance(models, list) else None,
+            role=row["role"],
+            priority=row["priority"],
+            run_after=row["run_after"],
+            attempts=row["attempts"],
+            max_attempts=row["max_attempts"],
+            claim_token=int(row["claim_token"]),
+            claimed_by=row["claimed_by"],
+            lease_until=row["lease_until"],
+            resume_after=row["resume_after"],
+            first_paused_at=row["first_paused_at"],
+            pause_reason=row["pause_reason"],
+            pause_model=row["pause_model"],
+            pause_count=row["pause_count"],
+            resume_count=row["resume_count"],
+            reentry_count=row["reentry_count"],
+            rescue_count=row["rescue_count"],
+            idempotency_key=row["idempotency_key"],
+            result=row["result"],
+            result_note=row["result_note"],
+            last_error=row["last_error"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        out["status"] = self.status.value
+        out["models"] = list(self.models) if self.models is not None else None
+        return out
+
+
+def sequence_or_none(value: Sequence[str] | None) -> tuple[str, ...] | None:
+    return tuple(value) if value is not None else None

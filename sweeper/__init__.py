@@ -1,0 +1,1 @@
+"""The sweeper service: resumes due pauses, purges cooldowns, rescues orphans."""

@@ -1,0 +1,1 @@
+"""The per-agent worker process (``worker --agent NAME``)."""
