@@ -129,7 +129,8 @@ class Database:
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(is_transient),
             stop=tenacity.stop_after_delay(self.retry_for),
-            wait=tenacity.wait_exponential_jitter(initial=0.02, max=2.0),
+            wait=tenacity.wait_exponential(multiplier=0.02, max=2.0)
+            + tenacity.wait_random(0, 0.05),
             before_sleep=_log_retry,
             reraise=True,
         )

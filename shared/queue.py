@@ -132,10 +132,14 @@ class TaskQueue:
                 .limit(limit)
             )
             if self.db.dialect == "postgresql":
-                picked = picked.with_for_update(skip_locked=True)
+                # A CTE runs once; an IN (subquery … FOR UPDATE) may be re-run per row.
+                cte = picked.with_for_update(skip_locked=True).cte("picked")
+                match = t.c.id == cte.c.id
+            else:
+                match = t.c.id.in_(picked.scalar_subquery())
             stmt = (
                 sa.update(t)
-                .where(t.c.id.in_(picked.scalar_subquery()), t.c.status == "queued")
+                .where(match, t.c.status == "queued")
                 .values(
                     status="claimed",
                     claim_token=t.c.claim_token + 1,

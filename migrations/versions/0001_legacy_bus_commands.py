@@ -13,6 +13,9 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+# REAL on SQLite; double precision on Postgres (its REAL is 4 bytes: seconds lost).
+Epoch = sa.Float(precision=53).with_variant(sa.REAL(), "sqlite")
+
 revision = "0001"
 down_revision = None
 branch_labels = None
@@ -35,8 +38,8 @@ def upgrade() -> None:
             server_default="queued",
         ),
         sa.Column("result_note", sa.Text),
-        sa.Column("created_at", sa.REAL),
-        sa.Column("updated_at", sa.REAL),
+        sa.Column("created_at", Epoch),
+        sa.Column("updated_at", Epoch),
         sqlite_autoincrement=True,
     )
 

@@ -29,6 +29,7 @@ Epoch = sa.Float(precision=53).with_variant(sa.REAL(), "sqlite")
 STATUS_CHECK = "status IN ('queued', 'claimed', 'done', 'paused', 'failed', 'error')"
 LEGACY_CHECK = "status IN ('queued','claimed','done','failed','error')"
 PAUSED_INDEX_WHERE = "status = 'paused'"
+_EPOCH_COLUMNS = {"created_at", "updated_at"}
 
 
 def _new_task_columns() -> list[sa.Column[object]]:
@@ -116,6 +117,10 @@ def _upgrade_bus_commands() -> None:
             op.drop_constraint(name, "bus_commands", type_="check")
         for column in missing:
             op.add_column("bus_commands", column)
+        for column in sa.inspect(op.get_bind()).get_columns("bus_commands"):
+            # Epoch seconds need 8-byte floats (a 4-byte REAL rounds them to minutes).
+            if column["name"] in _EPOCH_COLUMNS and isinstance(column["type"], sa.REAL):
+                op.alter_column("bus_commands", column["name"], type_=Epoch)
         op.create_check_constraint("ck_bus_commands_status", "bus_commands", STATUS_CHECK)
         op.create_unique_constraint(
             "uq_bus_commands_idempotency_key", "bus_commands", ["idempotency_key"]

@@ -1,0 +1,174 @@
+"""Database fixtures: every database test runs on SQLite and on PostgreSQL.
+
+Postgres is reached through $AGENTBUS_TEST_PG_URL (default: the local server).
+Each test gets its own database, cloned from a migrated template made once per
+session, and dropped afterwards. Under CI=true an unreachable Postgres fails
+the run instead of skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+from shared.db import Database, migrate
+from shared.queue import TaskQueue
+from tests.support import FakeClock
+
+PG_URL = os.environ.get(
+    "AGENTBUS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+BACKENDS = ["sqlite", "postgresql"]
+
+
+def _pg_conninfo(dbname: str | None = None) -> str:
+    url = sa.make_url(PG_URL)
+    if dbname:
+        url = url.set(database=dbname)
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def _pg_url(dbname: str) -> str:
+    return sa.make_url(PG_URL).set(database=dbname).render_as_string(hide_password=False)
+
+
+def _pg_admin(sql: str) -> None:
+    with psycopg.connect(_pg_conninfo(), autocommit=True) as conn:
+        conn.execute(sql)
+
+
+class Backends:
+    """Creates and drops per-test databases; one instance per test session."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.tag = uuid.uuid4().hex[:8]
+        self.pg_error: str | None = None
+        self._sqlite_template: Path | None = None
+        self._pg_template: str | None = None
+        try:
+            _pg_admin("SELECT 1")
+        except psycopg.Error as exc:
+            self.pg_error = str(exc).strip().splitlines()[0]
+
+    def require(self, backend: str) -> None:
+        if backend == "postgresql" and self.pg_error:
+            message = f"PostgreSQL at {PG_URL} unreachable: {self.pg_error}"
+            if IN_CI:
+                pytest.fail(message + " (CI=true: Postgres tests must run)", pytrace=False)
+            pytest.skip(message)
+
+    def new(self, backend: str, *, migrated: bool = True) -> tuple[str, Path | str]:
+        """A fresh database URL and the thing to remove afterwards."""
+        self.require(backend)
+        name = f"ab_{self.tag}_{uuid.uuid4().hex[:10]}"
+        if backend == "sqlite":
+            path = self.tmp / f"{name}.db"
+            if migrated:
+                shutil.copy(self._sqlite_template_path(), path)
+            return f"sqlite:///{path}", path
+        template = f" TEMPLATE {self._pg_template_name()}" if migrated else ""
+        _pg_admin(f"CREATE DATABASE {name}{template}")
+        return _pg_url(name), name
+
+    def drop(self, handle: Path | str) -> None:
+        if isinstance(handle, Path):
+            for suffix in ("", "-wal", "-shm"):
+                Path(str(handle) + suffix).unlink(missing_ok=True)
+        else:
+            _pg_admin(f"DROP DATABASE IF EXISTS {handle} WITH (FORCE)")
+
+    def _sqlite_template_path(self) -> Path:
+        if self._sqlite_template is None:
+            path = self.tmp / f"template_{self.tag}.db"
+            db = Database(f"sqlite:///{path}")
+            migrate(db)
+            db.dispose()
+            self._sqlite_template = path
+        return self._sqlite_template
+
+    def _pg_template_name(self) -> str:
+        if self._pg_template is None:
+            name = f"abtmpl_{self.tag}"
+            _pg_admin(f"CREATE DATABASE {name}")
+            db = Database(_pg_url(name))
+            migrate(db)
+            db.dispose()
+            self._pg_template = name
+        return self._pg_template
+
+    def close(self) -> None:
+        if self._pg_template is not None:
+            _pg_admin(f"DROP DATABASE IF EXISTS {self._pg_template} WITH (FORCE)")
+
+
+@pytest.fixture(scope="session")
+def backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backends]:
+    b = Backends(tmp_path_factory.mktemp("dbs"))
+    yield b
+    b.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def db_url(backends: Backends, backend: str) -> Iterator[str]:
+    """URL of a fresh, migrated database of the current backend."""
+    url, handle = backends.new(backend)
+    yield url
+    backends.drop(handle)
+
+
+@pytest.fixture
+def empty_db_url(backends: Backends, backend: str) -> Iterator[str]:
+    """URL of a fresh database with no schema at all."""
+    url, handle = backends.new(backend, migrated=False)
+    yield url
+    backends.drop(handle)
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Database]:
+    database = Database(db_url)
+    yield database
+    database.dispose()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def queue(db: Database, clock: FakeClock) -> TaskQueue:
+    return TaskQueue(db, clock=clock)
+
+
+@pytest.fixture
+def run_busctl() -> object:
+    """Run the installed ``busctl`` console script as a user would."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).with_name("busctl")
+
+    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        full_env = {**os.environ, **(env or {})}
+        full_env.pop("AGENTBUS_DATABASE_URL", None) if env is None else None
+        return subprocess.run(
+            [str(exe), *args], capture_output=True, text=True, timeout=120, env=full_env
+        )
+
+    return run

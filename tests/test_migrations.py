@@ -1,0 +1,214 @@
+"""Migrations: the schema they build is the models', they go down and up, and
+they adopt the older system's bus_commands table in place."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+
+from shared.db import Database, downgrade, head_revision, migrate
+from shared.errors import NotMigrated
+from shared.queue import TaskQueue
+from shared.schema import metadata
+from shared.tasks import TaskSpec
+
+LEGACY_SQLITE = """
+CREATE TABLE bus_commands (
+  id INTEGER PRIMARY KEY AUTOINCREMENT,
+  agent TEXT NOT NULL,
+  command TEXT,
+  status TEXT NOT NULL DEFAULT 'queued'
+    CHECK (status IN ('queued','claimed','done','failed','error')),
+  result_note TEXT,
+  created_at REAL,
+  updated_at REAL,
+  origin TEXT DEFAULT 'orchestrator'
+)"""
+LEGACY_POSTGRES = """
+CREATE TABLE bus_commands (
+  id SERIAL PRIMARY KEY,
+  agent TEXT NOT NULL,
+  command TEXT,
+  status TEXT NOT NULL DEFAULT 'queued'
+    CHECK (status IN ('queued','claimed','done','failed','error')),
+  result_note TEXT,
+  created_at REAL,
+  updated_at REAL,
+  origin TEXT DEFAULT 'orchestrator'
+)"""
+LEGACY_ROWS = [
+    (1, "codex", "write the parser", "done", "ok", "orchestrator"),
+    (2, "analyst-macro", "macro brief", "failed", "all candidate models are cooling down", "cron"),
+    (3, "codex", "review PR", "claimed", None, "orchestrator"),
+    (4, "ron", "summarise", "queued", None, "slack"),
+    (7, "codex", "explode", "error", "Traceback …", None),
+]
+
+
+def schema_diff(db: Database) -> list[object]:
+    with db.engine.connect() as conn:
+        return list(compare_metadata(MigrationContext.configure(conn), metadata))
+
+
+def test_upgrade_builds_exactly_the_models(empty_db_url: str) -> None:
+    db = Database(empty_db_url)
+    migrate(db)
+    assert db.current_revision() == head_revision()
+    assert schema_diff(db) == []
+    db.dispose()
+
+
+def test_down_and_up_again(empty_db_url: str) -> None:
+    db = Database(empty_db_url)
+    migrate(db)
+    queue = TaskQueue(db)
+    queue.enqueue(TaskSpec(agent="codex", command="keep me", models=("sim/a",)))
+    task_id = queue.enqueue(TaskSpec(agent="codex", command="pause me", models=("sim/a",))).id
+    (first, second) = queue.claim("codex", "w", 30, limit=2)
+    queue.pause(second.id, second.claim_token, 1e10, "cooldown", model="sim/a")
+    downgrade(db, "0001")
+    with db.engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT id, command, status FROM bus_commands ORDER BY id"))
+        # The older shape has no paused state: the paused task is handed back to the queue.
+        assert [tuple(r) for r in rows] == [
+            (first.id, "keep me", "claimed"),
+            (task_id, "pause me", "queued"),
+        ]
+    downgrade(db, "base")
+    assert not sa.inspect(db.engine).has_table("bus_commands")
+    migrate(db)
+    assert schema_diff(db) == []
+    db.dispose()
+
+
+def _build_legacy(db: Database) -> None:
+    ddl = LEGACY_SQLITE if db.dialect == "sqlite" else LEGACY_POSTGRES
+    with db.engine.begin() as conn:
+        conn.exec_driver_sql(ddl)
+        for row in LEGACY_ROWS:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO bus_commands (id, agent, command, status, result_note, origin,"
+                    " created_at, updated_at) VALUES (:id, :agent, :command, :status, :note,"
+                    " :origin, 1755400000.5, 1755400100.25)"
+                ),
+                dict(zip(["id", "agent", "command", "status", "note", "origin"], row, strict=True)),
+            )
+        # The older system deleted its newest row: ids must still never be reused.
+        conn.execute(
+            sa.text(
+                "INSERT INTO bus_commands (id, agent, command) VALUES (9, 'codex', 'gone')"
+            )
+        )
+        conn.execute(sa.text("DELETE FROM bus_commands WHERE id = 9"))
+        if db.dialect == "postgresql":
+            conn.execute(sa.text("SELECT setval('bus_commands_id_seq', 9)"))
+
+
+def test_legacy_database_is_adopted_in_place(empty_db_url: str) -> None:
+    db = Database(empty_db_url)
+    _build_legacy(db)
+    with db.engine.connect() as conn:
+        before = conn.execute(sa.text(
+            "SELECT CAST(created_at AS DOUBLE PRECISION) AS created_at,"
+            " CAST(updated_at AS DOUBLE PRECISION) AS updated_at FROM bus_commands ORDER BY id"
+        )).all()
+    with pytest.raises(NotMigrated):
+        db.require_migrated()
+    migrate(db)
+    db.require_migrated()
+    with db.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT id, agent, command, status, result_note, origin, created_at, updated_at,"
+                " priority, attempts, max_attempts, claim_token, pause_count, run_after,"
+                " lease_until FROM bus_commands ORDER BY id"
+            )
+        ).all()
+    assert [tuple(r[:6]) for r in rows] == LEGACY_ROWS
+    # Every old column keeps its value (a Postgres REAL column is widened, not rounded).
+    assert [(r.created_at, r.updated_at) for r in rows] == [
+        (b.created_at, b.updated_at) for b in before
+    ]
+    for row in rows:
+        assert (row.priority, row.attempts, row.max_attempts, row.claim_token) == (0, 0, 3, 0)
+        assert (row.pause_count, row.run_after) == (0, 0)
+        # The older system's claimed rows have no lease: one already expired, for the sweeper.
+        assert (row.lease_until is not None) == (row.status == "claimed")
+
+    queue = TaskQueue(db)
+    # Old queued rows are claimable; the legacy text column is the task text.
+    (claimed,) = queue.claim("ron", "w", 30)
+    assert (claimed.id, claimed.command, claimed.payload, claimed.models) == (
+        4, "summarise", {}, None,
+    )
+    queue.pause(claimed.id, claimed.claim_token, 2e9, "cooldown", model="sim/a")
+    assert queue.get(4).status == "paused"
+    new_id = queue.enqueue(TaskSpec(agent="codex", command="new", models=("sim/a",))).id
+    assert new_id > 9
+    with db.engine.connect() as conn:
+        origin = conn.execute(sa.text("SELECT origin FROM bus_commands WHERE id = :i"),
+                              {"i": new_id}).scalar()
+    assert origin == "orchestrator"  # the extra column keeps its own default
+    db.dispose()
+
+
+def test_busctl_migrate_adopts_a_legacy_sqlite_file(tmp_path: object, run_busctl: object) -> None:
+    path = tmp_path / "ops_multiagent.db"  # type: ignore[operator]
+    db = Database(f"sqlite:///{path}")
+    _build_legacy(db)
+    db.dispose()
+    result = run_busctl("--db", f"sqlite:///{path}", "migrate")  # type: ignore[operator]
+    assert result.returncode == 0, result.stderr
+    assert "to 0002" in result.stdout
+    shown = run_busctl("--db", f"sqlite:///{path}", "show", "2", "--json")  # type: ignore[operator]
+    task = json.loads(shown.stdout)["task"]
+    assert (task["status"], task["result_note"]) == (
+        "failed", "all candidate models are cooling down",
+    )
+
+
+def _plan(db: Database, sql: str, params: dict[str, object]) -> str:
+    with db.engine.connect() as conn:
+        if db.dialect == "sqlite":
+            rows = conn.execute(sa.text("EXPLAIN QUERY PLAN " + sql), params)
+            return "\n".join(str(r[-1]) for r in rows)
+        rows = conn.execute(sa.text("EXPLAIN " + sql), params)
+        return "\n".join(r[0] for r in rows)
+
+
+def test_claim_and_due_queries_are_index_range_scans(db: Database) -> None:
+    """The claim and "paused and due" lookups read an index, not the table."""
+    with db.engine.begin() as conn:
+        done = [{"agent": f"a{i % 7}", "command": "x", "status": "done", "run_after": 0}
+                for i in range(5000)]
+        live = [{"agent": "codex", "command": "y", "status": s, "run_after": 0,
+                 "resume_after": 100.0 + i} for i, s in enumerate(["queued", "paused"] * 20)]
+        conn.execute(
+            sa.text("INSERT INTO bus_commands (agent, command, status, run_after, resume_after)"
+                    " VALUES (:agent, :command, :status, :run_after, :resume_after)"),
+            [{**d, "resume_after": None} for d in done] + live,
+        )
+        conn.exec_driver_sql("ANALYZE")
+    claim = _plan(
+        db,
+        "SELECT id FROM bus_commands WHERE status = 'queued' AND agent = :agent"
+        " AND run_after <= :now ORDER BY priority DESC, id LIMIT 10",
+        {"agent": "codex", "now": 1e10},
+    )
+    due = _plan(
+        db,
+        "SELECT id FROM bus_commands WHERE status = 'paused' AND resume_after <= :now"
+        " ORDER BY resume_after LIMIT 500",
+        {"now": 120.0},
+    )
+    assert "ix_bus_commands_claim" in claim, claim
+    assert "ix_bus_commands_paused_due" in due, due
+    for plan in (claim, due):
+        assert "SCAN bus_commands" not in plan.replace("USING INDEX", "")
+        assert "Seq Scan" not in plan
+        assert "TEMP B-TREE" not in plan  # the index gives the order: no sort

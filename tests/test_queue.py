@@ -1,0 +1,194 @@
+"""The queue's operations on both backends, with an injected clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.errors import TaskNotFound, TransitionRejected
+from shared.queue import TaskQueue
+from shared.states import TaskStatus
+from shared.tasks import TaskSpec
+from tests.support import FakeClock
+
+
+def spec(agent: str = "codex", text: str = "do it", **kw: object) -> TaskSpec:
+    kw.setdefault("models", ("sim/a",))
+    return TaskSpec(agent=agent, command=text, **kw)  # type: ignore[arg-type]
+
+
+def test_enqueue_stores_the_task_and_an_event(queue: TaskQueue, clock: FakeClock) -> None:
+    result = queue.enqueue(spec(payload={"k": [1, 2]}, role="coder", priority=3))
+    task = queue.get(result.id)
+    assert result.created
+    assert task.status is TaskStatus.QUEUED
+    assert task.payload == {"k": [1, 2]}
+    assert task.models == ("sim/a",)
+    assert task.role == "coder"
+    assert task.created_at == task.run_after == clock.now
+    assert task.max_attempts == 3
+    events = queue.events(result.id)
+    assert [(e["from_status"], e["to_status"]) for e in events] == [(None, "queued")]
+
+
+def test_idempotency_key_returns_the_existing_task(queue: TaskQueue) -> None:
+    first = queue.enqueue(spec(key="report-2026-11-30"))
+    again = queue.enqueue(spec(text="different text", key="report-2026-11-30"))
+    other = queue.enqueue(spec(key="another"))
+    assert again == type(first)(first.id, created=False)
+    assert other.created and other.id != first.id
+    assert sum(queue.counts().values()) == 2
+    assert len(queue.events(first.id)) == 1
+
+
+def test_enqueue_many_returns_ids_in_order(queue: TaskQueue) -> None:
+    ids = queue.enqueue_many([spec(text=f"t{i}") for i in range(50)])
+    assert len(set(ids)) == 50
+    assert [queue.get(i).command for i in ids[:3]] == ["t0", "t1", "t2"]
+    assert queue.enqueue_many([]) == []
+
+
+def test_claim_orders_by_priority_then_age(queue: TaskQueue, clock: FakeClock) -> None:
+    low = queue.enqueue(spec(text="low", priority=0)).id
+    clock.advance(1)
+    high = queue.enqueue(spec(text="high", priority=5)).id
+    clock.advance(1)
+    low2 = queue.enqueue(spec(text="low2", priority=0)).id
+    order = [queue.claim("codex", "w", 30)[0].id for _ in range(3)]
+    assert order == [high, low, low2]
+    assert queue.claim("codex", "w", 30) == []
+
+
+def test_claim_is_per_agent_and_honours_run_after(queue: TaskQueue, clock: FakeClock) -> None:
+    later = queue.enqueue(spec(delay_sec=60)).id
+    queue.enqueue(spec(agent="analyst"))
+    assert queue.claim("codex", "w", 30) == []
+    clock.advance(60)
+    claimed = queue.claim("codex", "w", 30)
+    assert [t.id for t in claimed] == [later]
+    assert claimed[0].agent == "codex"
+
+
+def test_claim_sets_lease_token_and_event(queue: TaskQueue, clock: FakeClock) -> None:
+    task_id = queue.enqueue(spec()).id
+    (task,) = queue.claim("codex", "worker-1", 45)
+    assert task.status is TaskStatus.CLAIMED
+    assert task.claim_token == 1
+    assert task.claimed_by == "worker-1"
+    assert task.lease_until == clock.now + 45
+    last = queue.events(task_id)[-1]
+    assert (last["to_status"], last["worker"], last["claim_token"]) == ("claimed", "worker-1", 1)
+
+
+def test_claim_batch(queue: TaskQueue) -> None:
+    queue.enqueue_many([spec(text=str(i)) for i in range(25)])
+    got = queue.claim("codex", "w", 30, limit=10)
+    assert len(got) == 10 and len({t.id for t in got}) == 10
+    assert [t.id for t in got] == sorted(t.id for t in got)
+
+
+def test_complete_spends_an_attempt_and_ends_the_episode(queue: TaskQueue) -> None:
+    queue.enqueue(spec())
+    (task,) = queue.claim("codex", "w", 30)
+    queue.complete(task.id, task.claim_token, "answer", worker="w")
+    done = queue.get(task.id)
+    assert (done.status, done.result, done.attempts, done.lease_until) == (
+        TaskStatus.DONE, "answer", 1, None,
+    )
+
+
+def test_stale_token_cannot_settle(queue: TaskQueue, clock: FakeClock) -> None:
+    """A worker whose claim was superseded can no longer write to the task."""
+    queue.enqueue(spec())
+    (old,) = queue.claim("codex", "w1", 30)
+    queue.release(old.id, old.claim_token, reason="rescue-like")
+    (new,) = queue.claim("codex", "w2", 30)
+    assert new.claim_token == old.claim_token + 1
+    for write in (
+        lambda: queue.complete(old.id, old.claim_token, "late"),
+        lambda: queue.fail(old.id, old.claim_token, "late"),
+        lambda: queue.pause(old.id, old.claim_token, clock.now + 5, "cooldown"),
+        lambda: queue.heartbeat(old.id, old.claim_token, 30),
+    ):
+        with pytest.raises(TransitionRejected, match="claimed under token 2"):
+            write()
+    queue.complete(new.id, new.claim_token, "ok")
+    assert queue.get(new.id).result == "ok"
+
+
+def test_rejected_write_changes_nothing(queue: TaskQueue) -> None:
+    task_id = queue.enqueue(spec()).id
+    before = (queue.get(task_id), queue.events(task_id))
+    with pytest.raises(TransitionRejected, match="expected claimed, but it is queued"):
+        queue.complete(task_id, 0, "x")
+    with pytest.raises(TransitionRejected, match="no such task"):
+        queue.complete(task_id + 1000, 1, "x")
+    assert (queue.get(task_id), queue.events(task_id)) == before
+
+
+def test_heartbeat_extends_the_lease(queue: TaskQueue, clock: FakeClock) -> None:
+    queue.enqueue(spec())
+    (task,) = queue.claim("codex", "w", 30)
+    clock.advance(20)
+    assert queue.heartbeat(task.id, task.claim_token, 30) == clock.now + 30
+    assert queue.get(task.id).lease_until == clock.now + 30
+
+
+def test_pause_keeps_attempts_and_tracks_the_episode(queue: TaskQueue, clock: FakeClock) -> None:
+    task_id = queue.enqueue(spec()).id
+    (task,) = queue.claim("codex", "w", 30)
+    first_pause = clock.now
+    queue.pause(task.id, task.claim_token, clock.now + 180, "cooldown", model="sim/a")
+    paused = queue.get(task_id)
+    assert paused.status is TaskStatus.PAUSED
+    assert (paused.attempts, paused.pause_count, paused.reentry_count) == (0, 1, 0)
+    assert paused.resume_after == clock.now + 180
+    assert paused.first_paused_at == first_pause
+    assert paused.pause_model == "sim/a"
+    event = queue.events(task_id)[-1]
+    assert event["detail"]["model"] == "sim/a"
+
+
+def test_requeue_spends_an_attempt_and_delays(queue: TaskQueue, clock: FakeClock) -> None:
+    queue.enqueue(spec())
+    (task,) = queue.claim("codex", "w", 30)
+    queue.requeue(task.id, task.claim_token, clock.now + 10, "HTTP 500")
+    again = queue.get(task.id)
+    assert (again.status, again.attempts, again.last_error) == (TaskStatus.QUEUED, 1, "HTTP 500")
+    assert queue.claim("codex", "w", 30) == []
+    clock.advance(10)
+    assert [t.id for t in queue.claim("codex", "w", 30)] == [task.id]
+
+
+def test_release_spends_nothing(queue: TaskQueue) -> None:
+    queue.enqueue(spec())
+    (task,) = queue.claim("codex", "w", 30)
+    queue.release(task.id, task.claim_token)
+    again = queue.get(task.id)
+    assert (again.status, again.attempts, again.claimed_by) == (TaskStatus.QUEUED, 0, None)
+    assert queue.events(task.id)[-1]["reason"] == "shutdown"
+
+
+@pytest.mark.parametrize("settle", ["fail", "error"])
+def test_operator_retry(queue: TaskQueue, settle: str) -> None:
+    queue.enqueue(spec())
+    (task,) = queue.claim("codex", "w", 30)
+    getattr(queue, settle)(task.id, task.claim_token, "boom")
+    assert queue.get(task.id).status == settle.replace("fail", "failed")
+    queue.retry(task.id)
+    again = queue.get(task.id)
+    assert (again.status, again.attempts) == (TaskStatus.QUEUED, 0)
+    assert again.last_error == "boom"
+    with pytest.raises(TransitionRejected):
+        queue.retry(task.id)
+    with pytest.raises(TaskNotFound):
+        queue.retry(task.id + 99)
+
+
+def test_counts_and_listing(queue: TaskQueue) -> None:
+    queue.enqueue_many([spec(), spec(), spec(agent="analyst")])
+    (task,) = queue.claim("codex", "w", 30)
+    assert queue.counts() == {("queued", "codex"): 1, ("claimed", "codex"): 1,
+                              ("queued", "analyst"): 1}
+    assert [t.id for t in queue.tasks(status="claimed")] == [task.id]
+    assert len(queue.tasks(agent="analyst")) == 1
+    assert len(queue.tasks(limit=2)) == 2
