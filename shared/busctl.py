@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from shared import cli
+from shared import cli, reads
 from shared.config import Settings
 from shared.db import Database, migrate, redact
 from shared.queue import TaskQueue
@@ -111,7 +111,7 @@ def enqueue_cmd(
 @pass_ctx
 def status_cmd(c: Context, as_json: bool) -> None:
     """Task counts by status and agent."""
-    counts = c.queue().counts()
+    counts = reads.counts(c.database())
     agents = sorted({agent for _, agent in counts})
     statuses = [s.value for s in TaskStatus]
     if as_json:
@@ -130,9 +130,9 @@ def status_cmd(c: Context, as_json: bool) -> None:
 @pass_ctx
 def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
     """One task: its row and its events."""
-    queue = c.queue()
-    task = queue.get(task_id)
-    events = queue.events(task_id)
+    db = c.database()
+    task = reads.get_task(db, task_id)
+    events = reads.task_events(db, task_id)
     if as_json:
         click.echo(json.dumps({"task": task.as_dict(), "events": events}, indent=2))
         return
@@ -173,7 +173,7 @@ def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
 @pass_ctx
 def tasks_cmd(c: Context, status: str | None, agent: str | None, limit: int, as_json: bool) -> None:
     """The newest tasks, optionally filtered."""
-    tasks = c.queue().tasks(status=status, agent=agent, limit=limit)
+    tasks = reads.list_tasks(c.database(), status=status, agent=agent, limit=limit)
     if as_json:
         click.echo(json.dumps([t.as_dict() for t in tasks], indent=2))
         return

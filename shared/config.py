@@ -10,6 +10,7 @@ explicitly; nothing reads the environment behind its back.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -93,7 +94,7 @@ class Settings:
 
     def validate(self) -> None:
         for name in ("lease_sec", "db_retry_sec"):
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"setting {name} must be positive, got {getattr(self, name)}")
         if self.max_attempts < 1:
             raise ConfigError(f"setting max_attempts must be at least 1, got {self.max_attempts}")

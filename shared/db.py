@@ -189,9 +189,7 @@ def first_line(exc: BaseException | None) -> str:
 def _log_retry(state: tenacity.RetryCallState) -> None:
     exc = state.outcome.exception() if state.outcome else None
     log.warning(
-        "db_retry",
-        attempt=state.attempt_number,
-        error=first_line(getattr(exc, "orig", exc)),
+        "db_retry", attempt=state.attempt_number, error=first_line(getattr(exc, "orig", exc))
     )
 
 

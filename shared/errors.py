@@ -44,12 +44,7 @@ class TransitionRejected(BusError):
     """
 
     def __init__(
-        self,
-        task_id: int,
-        action: str,
-        expected: str,
-        actual: str | None,
-        token: int | None = None,
+        self, task_id: int, action: str, expected: str, actual: str | None, token: int | None = None
     ) -> None:
         self.task_id = task_id
         self.action = action

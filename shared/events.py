@@ -15,10 +15,7 @@ from sqlalchemy.engine import Connection
 from shared.schema import task_events
 
 
-def record(
-    conn: Connection,
-    rows: Iterable[Mapping[str, Any]],
-) -> None:
+def record(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
     """Append events; each mapping has task_id, from_status, to_status, reason,
     worker, claim_token, at and detail."""
     batch = [dict(r) for r in rows]

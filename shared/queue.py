@@ -15,7 +15,6 @@ an old token and none of its writes can land.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from shared import events
+from shared import events, reads
 from shared.db import Database
 from shared.errors import TaskNotFound, TransitionRejected
 from shared.schema import bus_commands as t
@@ -310,10 +309,7 @@ class TaskQueue:
             token,
             worker,
             reason=reason,
-            values={
-                "lease_until": None,
-                "claimed_by": None,
-            },
+            values={"lease_until": None, "claimed_by": None},
         )
 
     def requeue(
@@ -335,6 +331,105 @@ class TaskQueue:
             },
             detail={"error": error, "run_after": run_after},
         )
+
+    # -- the sweeper ---------------------------------------------------------
+
+    def resume(self, task_ids: Sequence[int], *, by: str = "sweeper") -> list[int]:
+        """Paused -> queued; returns the ids that were still paused and moved."""
+        return self._move_many(
+            "resume",
+            task_ids,
+            by,
+            reason="resume",
+            values=lambda now: {
+                "resume_after": None,
+                "resume_count": t.c.resume_count + 1,
+                "run_after": now,
+            },
+        )
+
+    def demote(self, task_ids: Sequence[int], reason: str, *, by: str = "sweeper") -> list[int]:
+        """Paused -> failed (paused too long); returns the ids that moved."""
+        return self._move_many(
+            "demote",
+            task_ids,
+            by,
+            reason="demoted",
+            values=lambda now: {"result_note": reason, "last_error": reason, "resume_after": None},
+            detail={"why": reason},
+        )
+
+    def rescue(
+        self, task_id: int, token: int, *, poison: str | None = None, by: str = "sweeper"
+    ) -> None:
+        """A claim whose lease expired: back to queued, or failed when ``poison`` says why.
+
+        Guarded by the token and by the lease having expired, so a worker that
+        heartbeats in time keeps its task.
+        """
+        action = "rescue" if poison is None else "rescue_fail"
+        values: dict[str, Any] = {
+            "rescue_count": t.c.rescue_count + 1,
+            "lease_until": None,
+            "claimed_by": None,
+        }
+        if poison is not None:
+            values.update(result_note=poison, last_error=poison)
+        self._settle(
+            action,
+            task_id,
+            token,
+            by,
+            reason="lease expired" if poison is None else "poison pill",
+            values=values,
+            detail={"poison": poison} if poison else None,
+            lease_expired=True,
+        )
+
+    def _move_many(
+        self,
+        action: str,
+        task_ids: Sequence[int],
+        by: str,
+        *,
+        reason: str,
+        values: Callable[[float], Mapping[str, Any]],
+        detail: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        (source,), target = TRANSITIONS[action]
+        if not task_ids:
+            return []
+
+        def work(conn: Connection) -> list[int]:
+            now = self.clock()
+            moved = (
+                conn.execute(
+                    sa.update(t)
+                    .where(t.c.id.in_(list(task_ids)), t.c.status == source.value)
+                    .values(status=target.value, updated_at=now, **values(now))
+                    .returning(t.c.id)
+                )
+                .scalars()
+                .all()
+            )
+            events.record(
+                conn,
+                (
+                    events.event(
+                        int(i),
+                        source.value,
+                        target.value,
+                        now,
+                        reason=reason,
+                        worker=by,
+                        detail=detail,
+                    )
+                    for i in moved
+                ),
+            )
+            return sorted(int(i) for i in moved)
+
+        return self.db.write(work)
 
     # -- operators -----------------------------------------------------------
 
@@ -373,37 +468,11 @@ class TaskQueue:
 
         self.db.write(work)
 
-    # -- readers -------------------------------------------------------------
+    # -- reading back -------------------------------------------------------
 
     def get(self, task_id: int) -> Task:
-        row = self.db.read(lambda conn: conn.execute(sa.select(t).where(t.c.id == task_id)).first())
-        if row is None:
-            raise TaskNotFound(f"task {task_id} does not exist")
-        return Task.from_row(row._mapping)
-
-    def events(self, task_id: int) -> list[dict[str, Any]]:
-        return self.db.read(lambda conn: events.for_task(conn, task_id))
-
-    def counts(self) -> Counter[tuple[str, str]]:
-        """Task counts keyed by (status, agent)."""
-        rows = self.db.read(
-            lambda conn: conn.execute(
-                sa.select(t.c.status, t.c.agent, sa.func.count()).group_by(t.c.status, t.c.agent)
-            ).all()
-        )
-        return Counter({(status, agent): n for status, agent, n in rows})
-
-    def tasks(
-        self, *, status: str | None = None, agent: str | None = None, limit: int = 50
-    ) -> list[Task]:
-        """The newest tasks, optionally of one status and/or agent."""
-        stmt = sa.select(t).order_by(t.c.id.desc()).limit(limit)
-        if status is not None:
-            stmt = stmt.where(t.c.status == status)
-        if agent is not None:
-            stmt = stmt.where(t.c.agent == agent)
-        rows = self.db.read(lambda conn: conn.execute(stmt).all())
-        return [Task.from_row(r._mapping) for r in rows]
+        """The task as stored now (raises TaskNotFound)."""
+        return reads.get_task(self.db, task_id)
 
     # -- the guarded write ---------------------------------------------------
 
@@ -417,6 +486,7 @@ class TaskQueue:
         reason: str,
         values: Mapping[str, Any] | Callable[[float], Mapping[str, Any]],
         detail: Mapping[str, Any] | None = None,
+        lease_expired: bool = False,
     ) -> None:
         (source,), target = TRANSITIONS[action]
 
@@ -428,8 +498,10 @@ class TaskQueue:
                 .where(t.c.id == task_id, t.c.status == source.value, t.c.claim_token == token)
                 .values(status=target.value, updated_at=now, **changes)
             )
+            if lease_expired:
+                stmt = stmt.where(t.c.lease_until < now)
             if conn.execute(stmt).rowcount != 1:
-                self._reject(conn, task_id, action, token)
+                self._reject(conn, task_id, action, token, now if lease_expired else None)
             events.record(
                 conn,
                 [
@@ -449,8 +521,16 @@ class TaskQueue:
         self.db.write(work)
 
     @staticmethod
-    def _reject(conn: Connection, task_id: int, action: str, token: int | None) -> None:
-        row = conn.execute(sa.select(t.c.status, t.c.claim_token).where(t.c.id == task_id)).first()
+    def _reject(
+        conn: Connection,
+        task_id: int,
+        action: str,
+        token: int | None,
+        lease_checked_at: float | None = None,
+    ) -> None:
+        row = conn.execute(
+            sa.select(t.c.status, t.c.claim_token, t.c.lease_until).where(t.c.id == task_id)
+        ).first()
         sources, _ = TRANSITIONS.get(action, (frozenset({TaskStatus.CLAIMED}), None))
         expected = " or ".join(sorted(s.value for s in sources))
         if row is None:
@@ -458,4 +538,7 @@ class TaskQueue:
         actual = row.status
         if token is not None and row.status == "claimed" and row.claim_token != token:
             actual = f"claimed under token {row.claim_token}"
+        elif lease_checked_at is not None and row.status == "claimed":
+            left = (row.lease_until or 0) - lease_checked_at
+            actual = f"claimed with {left:.1f}s of lease left"
         raise TransitionRejected(task_id, action, expected, actual, token)

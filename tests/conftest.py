@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -156,19 +158,24 @@ def queue(db: Database, clock: FakeClock) -> TaskQueue:
 
 
 @pytest.fixture
-def run_busctl() -> object:
-    """Run the installed ``busctl`` console script as a user would."""
-    import subprocess
-    import sys
-    from pathlib import Path
+def run_busctl() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run the installed ``busctl`` console script as a user would.
 
+    The child sees none of this shell's AGENTBUS_* variables, only ``env``.
+    """
     exe = Path(sys.executable).with_name("busctl")
 
-    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        full_env = {**os.environ, **(env or {})}
-        full_env.pop("AGENTBUS_DATABASE_URL", None) if env is None else None
+    def run(
+        *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
         return subprocess.run(
-            [str(exe), *args], capture_output=True, text=True, timeout=120, env=full_env
+            [str(exe), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**clean, **(env or {})},
+            cwd=cwd,
         )
 
     return run

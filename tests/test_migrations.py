@@ -100,9 +100,7 @@ def _build_legacy(db: Database) -> None:
             )
         # The older system deleted its newest row: ids must still never be reused.
         conn.execute(
-            sa.text(
-                "INSERT INTO bus_commands (id, agent, command) VALUES (9, 'codex', 'gone')"
-            )
+            sa.text("INSERT INTO bus_commands (id, agent, command) VALUES (9, 'codex', 'gone')")
         )
         conn.execute(sa.text("DELETE FROM bus_commands WHERE id = 9"))
         if db.dialect == "postgresql":
@@ -113,10 +111,12 @@ def test_legacy_database_is_adopted_in_place(empty_db_url: str) -> None:
     db = Database(empty_db_url)
     _build_legacy(db)
     with db.engine.connect() as conn:
-        before = conn.execute(sa.text(
-            "SELECT CAST(created_at AS DOUBLE PRECISION) AS created_at,"
-            " CAST(updated_at AS DOUBLE PRECISION) AS updated_at FROM bus_commands ORDER BY id"
-        )).all()
+        before = conn.execute(
+            sa.text(
+                "SELECT CAST(created_at AS DOUBLE PRECISION) AS created_at,"
+                " CAST(updated_at AS DOUBLE PRECISION) AS updated_at FROM bus_commands ORDER BY id"
+            )
+        ).all()
     with pytest.raises(NotMigrated):
         db.require_migrated()
     migrate(db)
@@ -144,15 +144,19 @@ def test_legacy_database_is_adopted_in_place(empty_db_url: str) -> None:
     # Old queued rows are claimable; the legacy text column is the task text.
     (claimed,) = queue.claim("ron", "w", 30)
     assert (claimed.id, claimed.command, claimed.payload, claimed.models) == (
-        4, "summarise", {}, None,
+        4,
+        "summarise",
+        {},
+        None,
     )
     queue.pause(claimed.id, claimed.claim_token, 2e9, "cooldown", model="sim/a")
     assert queue.get(4).status == "paused"
     new_id = queue.enqueue(TaskSpec(agent="codex", command="new", models=("sim/a",))).id
     assert new_id > 9
     with db.engine.connect() as conn:
-        origin = conn.execute(sa.text("SELECT origin FROM bus_commands WHERE id = :i"),
-                              {"i": new_id}).scalar()
+        origin = conn.execute(
+            sa.text("SELECT origin FROM bus_commands WHERE id = :i"), {"i": new_id}
+        ).scalar()
     assert origin == "orchestrator"  # the extra column keeps its own default
     db.dispose()
 
@@ -168,7 +172,8 @@ def test_busctl_migrate_adopts_a_legacy_sqlite_file(tmp_path: object, run_busctl
     shown = run_busctl("--db", f"sqlite:///{path}", "show", "2", "--json")  # type: ignore[operator]
     task = json.loads(shown.stdout)["task"]
     assert (task["status"], task["result_note"]) == (
-        "failed", "all candidate models are cooling down",
+        "failed",
+        "all candidate models are cooling down",
     )
 
 
@@ -184,13 +189,25 @@ def _plan(db: Database, sql: str, params: dict[str, object]) -> str:
 def test_claim_and_due_queries_are_index_range_scans(db: Database) -> None:
     """The claim and "paused and due" lookups read an index, not the table."""
     with db.engine.begin() as conn:
-        done = [{"agent": f"a{i % 7}", "command": "x", "status": "done", "run_after": 0}
-                for i in range(5000)]
-        live = [{"agent": "codex", "command": "y", "status": s, "run_after": 0,
-                 "resume_after": 100.0 + i} for i, s in enumerate(["queued", "paused"] * 20)]
+        done = [
+            {"agent": f"a{i % 7}", "command": "x", "status": "done", "run_after": 0}
+            for i in range(5000)
+        ]
+        live = [
+            {
+                "agent": "codex",
+                "command": "y",
+                "status": s,
+                "run_after": 0,
+                "resume_after": 100.0 + i,
+            }
+            for i, s in enumerate(["queued", "paused"] * 20)
+        ]
         conn.execute(
-            sa.text("INSERT INTO bus_commands (agent, command, status, run_after, resume_after)"
-                    " VALUES (:agent, :command, :status, :run_after, :resume_after)"),
+            sa.text(
+                "INSERT INTO bus_commands (agent, command, status, run_after, resume_after)"
+                " VALUES (:agent, :command, :status, :run_after, :resume_after)"
+            ),
             [{**d, "resume_after": None} for d in done] + live,
         )
         conn.exec_driver_sql("ANALYZE")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from shared import reads
 from shared.errors import TaskNotFound, TransitionRejected
 from shared.queue import TaskQueue
 from shared.states import TaskStatus
@@ -26,7 +27,7 @@ def test_enqueue_stores_the_task_and_an_event(queue: TaskQueue, clock: FakeClock
     assert task.role == "coder"
     assert task.created_at == task.run_after == clock.now
     assert task.max_attempts == 3
-    events = queue.events(result.id)
+    events = reads.task_events(queue.db, result.id)
     assert [(e["from_status"], e["to_status"]) for e in events] == [(None, "queued")]
 
 
@@ -36,8 +37,8 @@ def test_idempotency_key_returns_the_existing_task(queue: TaskQueue) -> None:
     other = queue.enqueue(spec(key="another"))
     assert again == type(first)(first.id, created=False)
     assert other.created and other.id != first.id
-    assert sum(queue.counts().values()) == 2
-    assert len(queue.events(first.id)) == 1
+    assert sum(reads.counts(queue.db).values()) == 2
+    assert len(reads.task_events(queue.db, first.id)) == 1
 
 
 def test_enqueue_many_returns_ids_in_order(queue: TaskQueue) -> None:
@@ -75,7 +76,7 @@ def test_claim_sets_lease_token_and_event(queue: TaskQueue, clock: FakeClock) ->
     assert task.claim_token == 1
     assert task.claimed_by == "worker-1"
     assert task.lease_until == clock.now + 45
-    last = queue.events(task_id)[-1]
+    last = reads.task_events(queue.db, task_id)[-1]
     assert (last["to_status"], last["worker"], last["claim_token"]) == ("claimed", "worker-1", 1)
 
 
@@ -92,7 +93,10 @@ def test_complete_spends_an_attempt_and_ends_the_episode(queue: TaskQueue) -> No
     queue.complete(task.id, task.claim_token, "answer", worker="w")
     done = queue.get(task.id)
     assert (done.status, done.result, done.attempts, done.lease_until) == (
-        TaskStatus.DONE, "answer", 1, None,
+        TaskStatus.DONE,
+        "answer",
+        1,
+        None,
     )
 
 
@@ -117,12 +121,12 @@ def test_stale_token_cannot_settle(queue: TaskQueue, clock: FakeClock) -> None:
 
 def test_rejected_write_changes_nothing(queue: TaskQueue) -> None:
     task_id = queue.enqueue(spec()).id
-    before = (queue.get(task_id), queue.events(task_id))
+    before = (queue.get(task_id), reads.task_events(queue.db, task_id))
     with pytest.raises(TransitionRejected, match="expected claimed, but it is queued"):
         queue.complete(task_id, 0, "x")
     with pytest.raises(TransitionRejected, match="no such task"):
         queue.complete(task_id + 1000, 1, "x")
-    assert (queue.get(task_id), queue.events(task_id)) == before
+    assert (queue.get(task_id), reads.task_events(queue.db, task_id)) == before
 
 
 def test_heartbeat_extends_the_lease(queue: TaskQueue, clock: FakeClock) -> None:
@@ -144,7 +148,7 @@ def test_pause_keeps_attempts_and_tracks_the_episode(queue: TaskQueue, clock: Fa
     assert paused.resume_after == clock.now + 180
     assert paused.first_paused_at == first_pause
     assert paused.pause_model == "sim/a"
-    event = queue.events(task_id)[-1]
+    event = reads.task_events(queue.db, task_id)[-1]
     assert event["detail"]["model"] == "sim/a"
 
 
@@ -165,7 +169,7 @@ def test_release_spends_nothing(queue: TaskQueue) -> None:
     queue.release(task.id, task.claim_token)
     again = queue.get(task.id)
     assert (again.status, again.attempts, again.claimed_by) == (TaskStatus.QUEUED, 0, None)
-    assert queue.events(task.id)[-1]["reason"] == "shutdown"
+    assert reads.task_events(queue.db, task.id)[-1]["reason"] == "shutdown"
 
 
 @pytest.mark.parametrize("settle", ["fail", "error"])
@@ -187,8 +191,11 @@ def test_operator_retry(queue: TaskQueue, settle: str) -> None:
 def test_counts_and_listing(queue: TaskQueue) -> None:
     queue.enqueue_many([spec(), spec(), spec(agent="analyst")])
     (task,) = queue.claim("codex", "w", 30)
-    assert queue.counts() == {("queued", "codex"): 1, ("claimed", "codex"): 1,
-                              ("queued", "analyst"): 1}
-    assert [t.id for t in queue.tasks(status="claimed")] == [task.id]
-    assert len(queue.tasks(agent="analyst")) == 1
-    assert len(queue.tasks(limit=2)) == 2
+    assert reads.counts(queue.db) == {
+        ("queued", "codex"): 1,
+        ("claimed", "codex"): 1,
+        ("queued", "analyst"): 1,
+    }
+    assert [t.id for t in reads.list_tasks(queue.db, status="claimed")] == [task.id]
+    assert len(reads.list_tasks(queue.db, agent="analyst")) == 1
+    assert len(reads.list_tasks(queue.db, limit=2)) == 2

@@ -1,0 +1,49 @@
+"""Read-only queries over tasks and their events, for busctl, producers and tests."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import sqlalchemy as sa
+
+from shared import events
+from shared.db import Database
+from shared.errors import TaskNotFound
+from shared.schema import bus_commands as t
+from shared.tasks import Task
+
+
+def get_task(db: Database, task_id: int) -> Task:
+    row = db.read(lambda conn: conn.execute(sa.select(t).where(t.c.id == task_id)).first())
+    if row is None:
+        raise TaskNotFound(f"task {task_id} does not exist")
+    return Task.from_row(row._mapping)
+
+
+def task_events(db: Database, task_id: int) -> list[dict[str, Any]]:
+    """The events of one task, oldest first."""
+    return db.read(lambda conn: events.for_task(conn, task_id))
+
+
+def counts(db: Database) -> Counter[tuple[str, str]]:
+    """Task counts keyed by (status, agent)."""
+    rows = db.read(
+        lambda conn: conn.execute(
+            sa.select(t.c.status, t.c.agent, sa.func.count()).group_by(t.c.status, t.c.agent)
+        ).all()
+    )
+    return Counter({(status, agent): n for status, agent, n in rows})
+
+
+def list_tasks(
+    db: Database, *, status: str | None = None, agent: str | None = None, limit: int = 50
+) -> list[Task]:
+    """The newest tasks, optionally of one status and/or agent."""
+    stmt = sa.select(t).order_by(t.c.id.desc()).limit(limit)
+    if status is not None:
+        stmt = stmt.where(t.c.status == status)
+    if agent is not None:
+        stmt = stmt.where(t.c.agent == agent)
+    rows = db.read(lambda conn: conn.execute(stmt).all())
+    return [Task.from_row(r._mapping) for r in rows]

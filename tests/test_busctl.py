@@ -1,0 +1,180 @@
+"""busctl as a user runs it: the real console script against a real database."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from shared.db import Database
+from shared.queue import TaskQueue
+from shared.schema import metadata
+
+Run = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def snapshot(url: str) -> dict[str, list[tuple[object, ...]]]:
+    db = Database(url)
+    with db.engine.connect() as conn:
+        out = {
+            table.name: sorted(tuple(map(repr, row)) for row in conn.execute(sa.select(table)))
+            for table in metadata.sorted_tables
+        }
+    db.dispose()
+    return out
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *, contains: str) -> None:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("busctl: error: "), lines[0]
+    assert contains in lines[0], lines[0]
+    assert result.stdout == ""
+
+
+def test_enqueue_show_status_retry(db_url: str, run_busctl: Run) -> None:
+    out = run_busctl(
+        "--db",
+        db_url,
+        "enqueue",
+        "--agent",
+        "codex",
+        "--models",
+        "sim/a,sim/b",
+        "--payload",
+        '{"simulate": {"sim/a": "ok"}}',
+        "--priority",
+        "3",
+        "write a haiku",
+    )
+    assert out.returncode == 0, out.stderr
+    task_id = int(out.stdout)
+    shown = json.loads(run_busctl("--db", db_url, "show", str(task_id), "--json").stdout)
+    assert shown["task"]["models"] == ["sim/a", "sim/b"]
+    assert shown["task"]["payload"] == {"simulate": {"sim/a": "ok"}}
+    assert [e["to_status"] for e in shown["events"]] == ["queued"]
+    status = json.loads(run_busctl("--db", db_url, "status", "--json").stdout)
+    assert status["tasks"]["codex"]["queued"] == 1
+    assert status["totals"]["queued"] == 1
+    table = run_busctl("--db", db_url, "status").stdout
+    assert "codex" in table and "queued" in table
+    listed = json.loads(run_busctl("--db", db_url, "tasks", "--agent", "codex", "--json").stdout)
+    assert [t["id"] for t in listed] == [task_id]
+
+    db = Database(db_url)
+    queue = TaskQueue(db)
+    (task,) = queue.claim("codex", "w", 30)
+    queue.fail(task.id, task.claim_token, "permanent")
+    db.dispose()
+    retried = run_busctl("--db", db_url, "retry", str(task_id))
+    assert retried.returncode == 0, retried.stderr
+    again = json.loads(run_busctl("--db", db_url, "show", str(task_id), "--json").stdout)
+    assert again["task"]["status"] == "queued"
+
+
+def test_idempotency_key_from_the_command_line(db_url: str, run_busctl: Run) -> None:
+    args = ("--db", db_url, "enqueue", "--agent", "codex", "--role", "coder", "--key", "k1", "x")
+    first = run_busctl(*args)
+    second = run_busctl(*args)
+    assert first.stdout == second.stdout
+    assert "already names task" in second.stderr
+
+
+BAD_ENQUEUE = [
+    (["--payload", "{not json"], "payload is not valid JSON"),
+    (["--payload", "[1, 2]"], "payload must be a JSON object"),
+    (["--payload", '{"x": NaN}'], "payload"),
+    (["--priority", "high"], "Invalid value for '--priority'"),
+    (["--run-after", "-5"], "run-after must not be negative"),
+    (["--run-after", "inf"], "run-after must be a finite"),
+    (["--max-attempts", "0"], "max-attempts must be an integer from 1 to 1000"),
+    (["--models", "a,,b"], "invalid model name ''"),
+    (["--models", "a,a"], "names a model twice"),
+    (["--models", "a", "--role", "r"], "not both"),
+    (["--bogus"], "No such option"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), BAD_ENQUEUE)
+def test_bad_enqueue_input_changes_nothing(
+    db_url: str, run_busctl: Run, extra: list[str], message: str
+) -> None:
+    before = snapshot(db_url)
+    if "--models" not in extra and "--role" not in extra:
+        extra = [*extra, "--models", "sim/a"]
+    result = run_busctl("--db", db_url, "enqueue", "--agent", "codex", *extra, "text")
+    assert_one_line_error(result, contains=message)
+    assert snapshot(db_url) == before
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["enqueue", "--agent", "bad agent!", "--models", "a", "x"], "invalid agent name"),
+        (["enqueue", "--agent", "codex", "--models", "a", "  "], "task text is empty"),
+        (["enqueue", "--agent", "codex", "x"], "needs a model chain"),
+        (["show", "424242"], "task 424242 does not exist"),
+        (["show", "abc"], "is not a valid integer"),
+        (["retry", "424242"], "task 424242 does not exist"),
+        (["tasks", "--status", "lost"], "Invalid value for '--status'"),
+        (["frobnicate"], "No such command"),
+    ],
+)
+def test_bad_commands_change_nothing(
+    db_url: str, run_busctl: Run, args: list[str], message: str
+) -> None:
+    before = snapshot(db_url)
+    assert_one_line_error(run_busctl("--db", db_url, *args), contains=message)
+    assert snapshot(db_url) == before
+
+
+def test_unmigrated_database_says_run_migrate(empty_db_url: str, run_busctl: Run) -> None:
+    result = run_busctl("--db", empty_db_url, "status")
+    assert_one_line_error(result, contains="run `busctl migrate`")
+
+
+def test_missing_sqlite_file_is_reported_not_created(tmp_path: Path, run_busctl: Run) -> None:
+    path = tmp_path / "nothing.db"
+    result = run_busctl("--db", f"sqlite:///{path}", "status")
+    assert_one_line_error(result, contains="does not exist")
+    assert not path.exists()
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("postgresql://agent:hunter2@127.0.0.1:1/bus", "cannot connect"),
+        ("mysql://agent:hunter2@localhost/bus", "unsupported database"),
+        ("not a url", "invalid database URL"),
+        ("sqlite:////no/such/dir/bus.db", "does not exist"),
+    ],
+)
+def test_bad_database_urls(run_busctl: Run, url: str, message: str) -> None:
+    result = run_busctl("--db", url, "status")
+    assert_one_line_error(result, contains=message)
+    assert "hunter2" not in result.stderr
+
+
+def test_default_database_and_env_var(tmp_path: Path, run_busctl: Run) -> None:
+    assert run_busctl("migrate", cwd=tmp_path).returncode == 0
+    assert (tmp_path / "ops_multiagent.db").exists()
+    other = tmp_path / "other.db"
+    env = {"AGENTBUS_DATABASE_URL": f"sqlite:///{other}"}
+    assert run_busctl("migrate", env=env, cwd=tmp_path).returncode == 0
+    assert other.exists()
+
+
+def test_bad_config_file(tmp_path: Path, run_busctl: Run) -> None:
+    cfg = tmp_path / "agentbus.toml"
+    cfg.write_text("lease_sec = [\n")
+    result = run_busctl("--config", str(cfg), "status")
+    assert_one_line_error(result, contains="is not valid TOML")
+    cfg.write_text("lease_sec = -1\n")
+    assert_one_line_error(run_busctl("--config", str(cfg), "status"), contains="must be positive")
+    cfg.write_text("leese_sec = 3\n")
+    assert_one_line_error(run_busctl("--config", str(cfg), "status"), contains="unknown setting")

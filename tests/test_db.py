@@ -1,0 +1,94 @@
+"""Transient database errors are retried in one place; others are not."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+from shared.db import Database, is_transient, parse_url, redact
+from shared.errors import BusError
+from shared.queue import TaskQueue
+from shared.tasks import TaskSpec
+from tests.conftest import PG_URL, Backends
+
+
+def spec() -> TaskSpec:
+    return TaskSpec(agent="codex", command="x", models=("sim/a",))
+
+
+def test_sqlite_lock_contention_is_retried_not_raised(backends: Backends) -> None:
+    url, handle = backends.new("sqlite")
+    db = Database(url, sqlite_busy_timeout_ms=0, retry_for=30)
+    holder = sqlite3.connect(str(handle), isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+    released = threading.Event()
+
+    def release_soon() -> None:
+        released.wait(0.3)
+        holder.execute("COMMIT")
+
+    thread = threading.Thread(target=release_soon)
+    thread.start()
+    try:
+        task_id = TaskQueue(db).enqueue(spec()).id
+    finally:
+        released.set()
+        thread.join()
+        holder.close()
+    assert TaskQueue(db).get(task_id).command == "x"
+    db.dispose()
+    backends.drop(handle)
+
+
+def test_postgres_connection_killed_between_calls_is_survived(backends: Backends) -> None:
+    url, handle = backends.new("postgresql")
+    db = Database(url)
+    queue = TaskQueue(db)
+    queue.enqueue(spec())
+    with psycopg.connect(
+        sa.make_url(PG_URL).set(drivername="postgresql").render_as_string(False), autocommit=True
+    ) as admin:
+        killed = admin.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+            " WHERE datname = %s AND pid <> pg_backend_pid()",
+            (str(handle),),
+        ).fetchone()
+    assert killed is not None and killed[0] >= 1
+    assert queue.enqueue(spec()).id == 2
+    db.dispose()
+    backends.drop(handle)
+
+
+def test_transient_classification() -> None:
+    locked = sa.exc.OperationalError("x", {}, sqlite3.OperationalError("database is locked"))
+    syntax = sa.exc.OperationalError("x", {}, sqlite3.OperationalError("near 'x': syntax error"))
+    dropped = sa.exc.OperationalError("x", {}, psycopg.OperationalError("server closed"))
+    integrity = sa.exc.IntegrityError("x", {}, sqlite3.IntegrityError("UNIQUE"))
+    assert is_transient(locked)
+    assert is_transient(dropped)
+    assert not is_transient(syntax)
+    assert not is_transient(integrity)
+    assert not is_transient(ValueError("x"))
+
+
+def test_urls() -> None:
+    assert parse_url("postgresql://u@h/d").drivername == "postgresql+psycopg"
+    assert parse_url("postgres://u@h/d").drivername == "postgresql+psycopg"
+    assert redact("postgresql+psycopg://u:secret@h/d") == "postgresql+psycopg://u:***@h/d"
+    with pytest.raises(BusError, match="psycopg 3"):
+        parse_url("postgresql+psycopg2://u@h/d")
+    with pytest.raises(BusError, match="invalid database URL"):
+        parse_url("::")
+
+
+def test_sqlite_runs_in_wal_mode(tmp_path: Path) -> None:
+    db = Database(f"sqlite:///{tmp_path / 'x.db'}")
+    with db.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 5000
+    db.dispose()
