@@ -96,7 +96,7 @@ class Database:
             self.engine = _sqlite_engine(self.url, sqlite_busy_timeout_ms, sqlite_synchronous)
         else:
             self.engine = sa.create_engine(
-                self.url, pool_pre_ping=True, pool_size=pool_size, max_overflow=pool_size
+                self.url, pool_size=pool_size, max_overflow=pool_size
             )
         self._read_engine = self.engine.execution_options(agentbus_read_only=True)
 

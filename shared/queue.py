@@ -1,9 +1,11 @@
 """The task queue: the only code that writes ``bus_commands.status``.
 
 Every operation is one guarded conditional UPDATE (``WHERE id = … AND status
-= … [AND claim_token = …]``) plus its event row, in one transaction. A
-guarded write that matches no row raises ``TransitionRejected``: the task was
-not where the caller thought (another claim owns it, someone else moved it).
+= … [AND claim_token = …]``, see ``shared.transitions``) plus its event row,
+in one transaction. A guarded write that matches no row raises
+``TransitionRejected`` (batch operations return the ids that did not match):
+the task was not where the caller thought — another claim owns it, or
+someone else moved it.
 
 Claiming is one statement: Postgres picks rows with ``FOR UPDATE SKIP
 LOCKED``; SQLite runs ``UPDATE … WHERE id IN (SELECT …) RETURNING`` inside
@@ -29,6 +31,7 @@ from shared.errors import TaskNotFound, TransitionRejected
 from shared.schema import bus_commands as t
 from shared.states import TRANSITIONS, TaskStatus
 from shared.tasks import Task, TaskSpec
+from shared.transitions import COMPLETE_MANY_POSTGRES, HEARTBEAT, MOVE_MANY, SETTLE, claim_statement
 
 Clock = Callable[[], float]
 
@@ -46,6 +49,11 @@ class TaskQueue:
         self.db = db
         self.clock = clock
         self.max_attempts = max_attempts
+        self._claim = claim_statement(db.dialect)
+        dialect_insert = postgresql.insert if db.dialect == "postgresql" else sqlite.insert
+        self._insert_keyed = (
+            dialect_insert(t).on_conflict_do_nothing(index_elements=["idempotency_key"])
+        ).returning(t.c.id)
 
     # -- producers -----------------------------------------------------------
 
@@ -54,16 +62,11 @@ class TaskQueue:
 
         def work(conn: Connection) -> Enqueued:
             now = self.clock()
-            values = self._row(spec, now)
+            row = self._row(spec, now)
             if spec.key is None:
-                new_id = conn.execute(sa.insert(t).values(values).returning(t.c.id)).scalar_one()
+                new_id = conn.execute(sa.insert(t).returning(t.c.id), row).scalar_one()
             else:
-                new_id = conn.execute(
-                    self._insert()
-                    .values(values)
-                    .on_conflict_do_nothing(index_elements=["idempotency_key"])
-                    .returning(t.c.id)
-                ).scalar()
+                new_id = conn.execute(self._insert_keyed, row).scalar()
                 if new_id is None:
                     existing = conn.execute(
                         sa.select(t.c.id).where(t.c.idempotency_key == spec.key)
@@ -113,10 +116,6 @@ class TaskQueue:
             "updated_at": now,
         }
 
-    def _insert(self) -> Any:
-        dialect = postgresql if self.db.dialect == "postgresql" else sqlite
-        return dialect.insert(t)
-
     # -- workers -------------------------------------------------------------
 
     def claim(self, agent: str, worker: str, lease_sec: float, limit: int = 1) -> list[Task]:
@@ -124,38 +123,20 @@ class TaskQueue:
 
         def work(conn: Connection) -> list[Task]:
             now = self.clock()
-            picked = (
-                sa.select(t.c.id)
-                .where(t.c.status == "queued", t.c.agent == agent, t.c.run_after <= now)
-                .order_by(t.c.priority.desc(), t.c.id)
-                .limit(limit)
-            )
-            if self.db.dialect == "postgresql":
-                # A CTE runs once; an IN (subquery … FOR UPDATE) may be re-run per row.
-                cte = picked.with_for_update(skip_locked=True).cte("picked")
-                match = t.c.id == cte.c.id
-            else:
-                match = t.c.id.in_(picked.scalar_subquery())
-            stmt = (
-                sa.update(t)
-                .where(match, t.c.status == "queued")
-                .values(
-                    status="claimed",
-                    claim_token=t.c.claim_token + 1,
-                    claimed_by=worker,
-                    claimed_at=now,
-                    lease_until=now + lease_sec,
-                    updated_at=now,
-                )
-                .returning(*t.c)
-            )
+            params = {
+                "p_agent": agent,
+                "p_worker": worker,
+                "p_now": now,
+                "p_lease_until": now + lease_sec,
+                "p_limit": limit,
+            }
             tasks = sorted(
-                (Task.from_row(r._mapping) for r in conn.execute(stmt)),
+                (Task.from_row(r._mapping) for r in conn.execute(self._claim, params)),
                 key=lambda task: (-task.priority, task.id),
             )
             events.record(
                 conn,
-                (
+                [
                     events.event(
                         task.id,
                         "queued",
@@ -166,7 +147,7 @@ class TaskQueue:
                         reason="claim",
                     )
                     for task in tasks
-                ),
+                ],
             )
             return tasks
 
@@ -177,12 +158,8 @@ class TaskQueue:
 
         def work(conn: Connection) -> float:
             lease_until = self.clock() + lease_sec
-            res = conn.execute(
-                sa.update(t)
-                .where(t.c.id == task_id, t.c.status == "claimed", t.c.claim_token == token)
-                .values(lease_until=lease_until)
-            )
-            if res.rowcount != 1:
+            params = {"p_id": task_id, "p_token": token, "p_lease_until": lease_until}
+            if conn.execute(HEARTBEAT, params).rowcount != 1:
                 self._reject(conn, task_id, "heartbeat", token)
             return lease_until
 
@@ -198,20 +175,59 @@ class TaskQueue:
         note: str | None = None,
     ) -> None:
         self._settle(
-            "complete",
-            task_id,
-            token,
-            worker,
-            reason="done",
-            values={
-                "result": result,
-                "result_note": note,
-                "attempts": t.c.attempts + 1,
-                "lease_until": None,
-                "first_paused_at": None,
-                "reentry_count": 0,
-            },
+            "complete", task_id, token, worker, "done", {"p_result": result, "p_note": note}
         )
+
+    def complete_many(
+        self, items: Sequence[tuple[int, int, str | None]], *, worker: str | None = None
+    ) -> list[int]:
+        """Complete several claims ``(task_id, token, result)`` in one transaction.
+
+        Returns the ids whose guarded write matched nothing (claim superseded);
+        the others are done. On Postgres the batch is one UPDATE over unnest()ed arrays.
+        """
+
+        def work(conn: Connection) -> list[int]:
+            now = self.clock()
+            if self.db.dialect == "postgresql":
+                ids, tokens, results = (list(column) for column in zip(*items, strict=True))
+                params = {"p_ids": ids, "p_tokens": tokens, "p_results": results, "p_now": now}
+                moved = set(conn.execute(COMPLETE_MANY_POSTGRES, params).scalars())
+            else:
+                moved = {
+                    task_id
+                    for task_id, token, result in items
+                    if conn.execute(
+                        SETTLE["complete"],
+                        {
+                            "p_id": task_id,
+                            "p_token": token,
+                            "p_now": now,
+                            "p_result": result,
+                            "p_note": None,
+                        },
+                    ).rowcount
+                    == 1
+                }
+            events.record(
+                conn,
+                [
+                    events.event(
+                        task_id,
+                        "claimed",
+                        "done",
+                        now,
+                        reason="done",
+                        worker=worker,
+                        claim_token=token,
+                    )
+                    for task_id, token, _ in items
+                    if task_id in moved
+                ],
+            )
+            return [task_id for task_id, _, _ in items if task_id not in moved]
+
+        return self.db.write(work) if items else []
 
     def fail(
         self,
@@ -228,30 +244,14 @@ class TaskQueue:
             task_id,
             token,
             worker,
-            reason=reason,
-            values={
-                "result_note": reason,
-                "last_error": reason,
-                "attempts": t.c.attempts + 1 if spend_attempt else t.c.attempts,
-                "lease_until": None,
-            },
+            reason,
+            {"p_error": reason, "p_spend": int(spend_attempt)},
         )
 
     def error(self, task_id: int, token: int, error: str, *, worker: str | None = None) -> None:
         """An unexpected exception in handler or worker code."""
         self._settle(
-            "error",
-            task_id,
-            token,
-            worker,
-            reason="error",
-            values={
-                "result_note": error,
-                "last_error": error,
-                "attempts": t.c.attempts + 1,
-                "lease_until": None,
-            },
-            detail={"error": error},
+            "error", task_id, token, worker, "error", {"p_error": error}, detail={"error": error}
         )
 
     def pause(
@@ -265,37 +265,14 @@ class TaskQueue:
         worker: str | None = None,
         detail: Mapping[str, Any] | None = None,
     ) -> None:
-        """Every candidate is refused for a temporary reason: park the task.
-
-        No attempt is spent. ``first_paused_at`` marks the start of the pause
-        episode (kept across resume/re-pause). If a resumed task pauses again
-        on the same model its ``reentry_count`` rises; another model resets it.
-        """
-
-        def values(now: float) -> dict[str, Any]:
-            return {
-                "resume_after": resume_after,
-                "pause_reason": reason,
-                "pause_model": model,
-                "pause_count": t.c.pause_count + 1,
-                "first_paused_at": sa.func.coalesce(t.c.first_paused_at, now),
-                "reentry_count": sa.case(
-                    (
-                        sa.and_(t.c.resume_count > 0, t.c.pause_model == model),
-                        t.c.reentry_count + 1,
-                    ),
-                    else_=0,
-                ),
-                "lease_until": None,
-            }
-
+        """Every candidate is refused for a temporary reason: park the task (no attempt spent)."""
         self._settle(
             "pause",
             task_id,
             token,
             worker,
-            reason=reason,
-            values=values,
+            reason,
+            {"p_resume_after": resume_after, "p_reason": reason, "p_model": model},
             detail={"resume_after": resume_after, "model": model, **(detail or {})},
         )
 
@@ -303,14 +280,7 @@ class TaskQueue:
         self, task_id: int, token: int, reason: str = "shutdown", *, worker: str | None = None
     ) -> None:
         """Give a claimed task back untouched (no attempt spent)."""
-        self._settle(
-            "release",
-            task_id,
-            token,
-            worker,
-            reason=reason,
-            values={"lease_until": None, "claimed_by": None},
-        )
+        self._settle("release", task_id, token, worker, reason, {})
 
     def requeue(
         self, task_id: int, token: int, run_after: float, error: str, *, worker: str | None = None
@@ -321,43 +291,12 @@ class TaskQueue:
             task_id,
             token,
             worker,
-            reason="retry",
-            values={
-                "attempts": t.c.attempts + 1,
-                "run_after": run_after,
-                "last_error": error,
-                "lease_until": None,
-                "claimed_by": None,
-            },
+            "retry",
+            {"p_run_after": run_after, "p_error": error},
             detail={"error": error, "run_after": run_after},
         )
 
     # -- the sweeper ---------------------------------------------------------
-
-    def resume(self, task_ids: Sequence[int], *, by: str = "sweeper") -> list[int]:
-        """Paused -> queued; returns the ids that were still paused and moved."""
-        return self._move_many(
-            "resume",
-            task_ids,
-            by,
-            reason="resume",
-            values=lambda now: {
-                "resume_after": None,
-                "resume_count": t.c.resume_count + 1,
-                "run_after": now,
-            },
-        )
-
-    def demote(self, task_ids: Sequence[int], reason: str, *, by: str = "sweeper") -> list[int]:
-        """Paused -> failed (paused too long); returns the ids that moved."""
-        return self._move_many(
-            "demote",
-            task_ids,
-            by,
-            reason="demoted",
-            values=lambda now: {"result_note": reason, "last_error": reason, "resume_after": None},
-            detail={"why": reason},
-        )
 
     def rescue(
         self, task_id: int, token: int, *, poison: str | None = None, by: str = "sweeper"
@@ -367,69 +306,28 @@ class TaskQueue:
         Guarded by the token and by the lease having expired, so a worker that
         heartbeats in time keeps its task.
         """
-        action = "rescue" if poison is None else "rescue_fail"
-        values: dict[str, Any] = {
-            "rescue_count": t.c.rescue_count + 1,
-            "lease_until": None,
-            "claimed_by": None,
-        }
-        if poison is not None:
-            values.update(result_note=poison, last_error=poison)
-        self._settle(
-            action,
-            task_id,
-            token,
-            by,
-            reason="lease expired" if poison is None else "poison pill",
-            values=values,
-            detail={"poison": poison} if poison else None,
-            lease_expired=True,
+        if poison is None:
+            self._settle("rescue", task_id, token, by, "lease expired", {})
+        else:
+            self._settle(
+                "rescue_fail",
+                task_id,
+                token,
+                by,
+                "poison pill",
+                {"p_error": poison},
+                detail={"poison": poison},
+            )
+
+    def resume(self, task_ids: Sequence[int], *, by: str = "sweeper") -> list[int]:
+        """Paused -> queued; returns the ids that were still paused and moved."""
+        return self._move_many("resume", task_ids, by, "resume", {})
+
+    def demote(self, task_ids: Sequence[int], reason: str, *, by: str = "sweeper") -> list[int]:
+        """Paused -> failed (paused too long); returns the ids that moved."""
+        return self._move_many(
+            "demote", task_ids, by, "demoted", {"p_error": reason}, detail={"why": reason}
         )
-
-    def _move_many(
-        self,
-        action: str,
-        task_ids: Sequence[int],
-        by: str,
-        *,
-        reason: str,
-        values: Callable[[float], Mapping[str, Any]],
-        detail: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        (source,), target = TRANSITIONS[action]
-        if not task_ids:
-            return []
-
-        def work(conn: Connection) -> list[int]:
-            now = self.clock()
-            moved = (
-                conn.execute(
-                    sa.update(t)
-                    .where(t.c.id.in_(list(task_ids)), t.c.status == source.value)
-                    .values(status=target.value, updated_at=now, **values(now))
-                    .returning(t.c.id)
-                )
-                .scalars()
-                .all()
-            )
-            events.record(
-                conn,
-                (
-                    events.event(
-                        int(i),
-                        source.value,
-                        target.value,
-                        now,
-                        reason=reason,
-                        worker=by,
-                        detail=detail,
-                    )
-                    for i in moved
-                ),
-            )
-            return sorted(int(i) for i in moved)
-
-        return self.db.write(work)
 
     # -- operators -----------------------------------------------------------
 
@@ -468,13 +366,11 @@ class TaskQueue:
 
         self.db.write(work)
 
-    # -- reading back -------------------------------------------------------
-
     def get(self, task_id: int) -> Task:
         """The task as stored now (raises TaskNotFound)."""
         return reads.get_task(self.db, task_id)
 
-    # -- the guarded write ---------------------------------------------------
+    # -- the guarded writes --------------------------------------------------
 
     def _settle(
         self,
@@ -482,26 +378,19 @@ class TaskQueue:
         task_id: int,
         token: int,
         worker: str | None,
-        *,
         reason: str,
-        values: Mapping[str, Any] | Callable[[float], Mapping[str, Any]],
+        params: Mapping[str, Any],
+        *,
         detail: Mapping[str, Any] | None = None,
-        lease_expired: bool = False,
     ) -> None:
         (source,), target = TRANSITIONS[action]
 
         def work(conn: Connection) -> None:
             now = self.clock()
-            changes = values(now) if callable(values) else values
-            stmt = (
-                sa.update(t)
-                .where(t.c.id == task_id, t.c.status == source.value, t.c.claim_token == token)
-                .values(status=target.value, updated_at=now, **changes)
-            )
-            if lease_expired:
-                stmt = stmt.where(t.c.lease_until < now)
-            if conn.execute(stmt).rowcount != 1:
-                self._reject(conn, task_id, action, token, now if lease_expired else None)
+            full = {"p_id": task_id, "p_token": token, "p_now": now, **params}
+            if conn.execute(SETTLE[action], full).rowcount != 1:
+                lease_checked = now if action.startswith("rescue") else None
+                self._reject(conn, task_id, action, token, lease_checked)
             events.record(
                 conn,
                 [
@@ -519,6 +408,35 @@ class TaskQueue:
             )
 
         self.db.write(work)
+
+    def _move_many(
+        self,
+        action: str,
+        task_ids: Sequence[int],
+        by: str,
+        reason: str,
+        params: Mapping[str, Any],
+        *,
+        detail: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        (source,), target = TRANSITIONS[action]
+
+        def work(conn: Connection) -> list[int]:
+            now = self.clock()
+            full = {"p_ids": list(task_ids), "p_now": now, **params}
+            moved = sorted(int(i) for i in conn.execute(MOVE_MANY[action], full).scalars())
+            events.record(
+                conn,
+                [
+                    events.event(
+                        i, source.value, target.value, now, reason=reason, worker=by, detail=detail
+                    )
+                    for i in moved
+                ],
+            )
+            return moved
+
+        return self.db.write(work) if task_ids else []
 
     @staticmethod
     def _reject(
@@ -539,6 +457,5 @@ class TaskQueue:
         if token is not None and row.status == "claimed" and row.claim_token != token:
             actual = f"claimed under token {row.claim_token}"
         elif lease_checked_at is not None and row.status == "claimed":
-            left = (row.lease_until or 0) - lease_checked_at
-            actual = f"claimed with {left:.1f}s of lease left"
+            actual = f"claimed with {(row.lease_until or 0) - lease_checked_at:.1f}s of lease left"
         raise TransitionRejected(task_id, action, expected, actual, token)

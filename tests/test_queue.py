@@ -199,3 +199,24 @@ def test_counts_and_listing(queue: TaskQueue) -> None:
     assert [t.id for t in reads.list_tasks(queue.db, status="claimed")] == [task.id]
     assert len(reads.list_tasks(queue.db, agent="analyst")) == 1
     assert len(reads.list_tasks(queue.db, limit=2)) == 2
+
+
+def test_complete_many_reports_superseded_claims(queue: TaskQueue) -> None:
+    queue.enqueue_many([spec(text=str(i)) for i in range(4)])
+    tasks = queue.claim("codex", "w1", 30, limit=4)
+    stale = tasks[0]
+    queue.release(stale.id, stale.claim_token)
+    (reclaimed,) = queue.claim("codex", "w2", 30)
+    assert reclaimed.id == stale.id
+    items = [(t.id, t.claim_token, f"answer {t.id}") for t in tasks]
+    assert queue.complete_many(items, worker="w1") == [stale.id]
+    for task in tasks[1:]:
+        done = queue.get(task.id)
+        assert (done.status, done.result, done.attempts) == (
+            TaskStatus.DONE,
+            f"answer {task.id}",
+            1,
+        )
+        assert reads.task_events(queue.db, task.id)[-1]["worker"] == "w1"
+    assert queue.get(stale.id).status is TaskStatus.CLAIMED
+    assert queue.complete_many([]) == []

@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""agentbus benchmark: prints a table of figures; asserts nothing.
+
+Workload (per backend):
+- enqueue, single: N calls of ``TaskQueue.enqueue`` (one transaction each).
+- enqueue, batch: ``TaskQueue.enqueue_many`` in batches of 500.
+- claim+complete: T no-op tasks are enqueued first; then P worker processes
+  (spawned, connected and warmed up before the clock starts) claim and
+  complete until the queue is empty. ``batch`` is how many tasks one claim
+  takes. With batch 1 every completion is its own transaction; with a larger
+  batch the completions of one claim are acknowledged in one transaction
+  (each still a guarded UPDATE plus its event row).
+  The rate is T divided by the time from "go" to the last process finishing.
+
+Durability: SQLite in WAL mode with synchronous=FULL (every commit survives
+power loss) unless --sqlite-synchronous says otherwise; Postgres with its
+defaults (fsync on, synchronous_commit on).
+
+    python scripts/bench.py                       # both backends
+    python scripts/bench.py --backends sqlite --tasks 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from multiprocessing.synchronize import Event
+from pathlib import Path
+
+import psycopg
+import sqlalchemy as sa
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shared.db import Database, migrate  # noqa: E402
+from shared.queue import TaskQueue  # noqa: E402
+from shared.tasks import TaskSpec  # noqa: E402
+
+PG_URL = os.environ.get(
+    "AGENTBUS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+
+
+@contextmanager
+def database(backend: str, synchronous: str) -> Iterator[str]:
+    if backend == "sqlite":
+        with tempfile.TemporaryDirectory() as tmp:
+            url = f"sqlite:///{tmp}/bench.db"
+            db = Database(url, sqlite_synchronous=synchronous)
+            migrate(db)
+            db.dispose()
+            yield url
+        return
+    name = f"agentbus_bench_{uuid.uuid4().hex[:8]}"
+    admin = sa.make_url(PG_URL).set(drivername="postgresql").render_as_string(False)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    url = sa.make_url(PG_URL).set(database=name).render_as_string(False)
+    try:
+        db = Database(url)
+        migrate(db)
+        db.dispose()
+        yield url
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def spec(i: int, agent: str = "bench") -> TaskSpec:
+    return TaskSpec(agent=agent, command=f"task {i}", models=("sim/noop",))
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def drain(url: str, synchronous: str, agent: str, batch: int, ready: Event, go: Event) -> int:
+    db = Database(url, sqlite_synchronous=synchronous)
+    queue = TaskQueue(db)
+    queue.claim("nobody", "warmup", 1)  # connect and compile before the clock starts
+    ready.set()
+    go.wait()
+    done = 0
+    worker = f"w{os.getpid()}"
+    while tasks := queue.claim(agent, worker, 60, limit=batch):
+        if batch == 1:
+            queue.complete(tasks[0].id, tasks[0].claim_token, None, worker=worker)
+        else:  # acknowledge the batch in one transaction
+            queue.complete_many([(t.id, t.claim_token, None) for t in tasks], worker=worker)
+        done += len(tasks)
+    db.dispose()
+    return done
+
+
+def throughput(url: str, synchronous: str, processes: int, batch: int, tasks: int) -> float:
+    db = Database(url, sqlite_synchronous=synchronous)
+    agent = f"drain{uuid.uuid4().hex[:6]}"
+    queue = TaskQueue(db)
+    for start in range(0, tasks, 500):
+        queue.enqueue_many([spec(i, agent) for i in range(start, min(tasks, start + 500))])
+    db.dispose()
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager, ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+        readies = [manager.Event() for _ in range(processes)]
+        go = manager.Event()
+        futures = [
+            pool.submit(drain, url, synchronous, agent, batch, readies[i], go)
+            for i in range(processes)
+        ]
+        for ready in readies:
+            ready.wait()
+        began = time.perf_counter()
+        go.set()
+        done = sum(f.result() for f in futures)
+        elapsed = time.perf_counter() - began
+    assert done == tasks, (done, tasks)
+    return tasks / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backends", default="sqlite,postgresql")
+    parser.add_argument("--tasks", type=int, default=10_000, help="tasks per drain run")
+    parser.add_argument("--single", type=int, default=2_000, help="single enqueues")
+    parser.add_argument("--processes", default="1,2,4")
+    parser.add_argument("--batches", default="1,10", help="claim batch sizes")
+    parser.add_argument("--sqlite-synchronous", default="FULL")
+    args = parser.parse_args()
+
+    rows: list[tuple[str, str, str]] = []
+    for backend in args.backends.split(","):
+        with database(backend, args.sqlite_synchronous) as url:
+            db = Database(url, sqlite_synchronous=args.sqlite_synchronous)
+            queue = TaskQueue(db)
+            n = args.single
+            secs = timed(lambda: [queue.enqueue(spec(i)) for i in range(n)])
+            rows.append((backend, "enqueue, single", f"{n / secs:,.0f} tasks/s"))
+            n = args.tasks * 2
+            secs = timed(
+                lambda: [
+                    queue.enqueue_many([spec(i) for i in range(s, s + 500)])
+                    for s in range(0, n, 500)
+                ]
+            )
+            rows.append((backend, "enqueue, batch of 500", f"{n / secs:,.0f} tasks/s"))
+            db.dispose()
+            for batch in (int(b) for b in args.batches.split(",")):
+                for procs in (int(p) for p in args.processes.split(",")):
+                    rate = throughput(url, args.sqlite_synchronous, procs, batch, args.tasks)
+                    rows.append(
+                        (
+                            backend,
+                            f"claim+complete, {procs} proc, batch {batch}",
+                            f"{rate:,.0f} tasks/s",
+                        )
+                    )
+            print(f"# {backend} done", file=sys.stderr)
+
+    width = max(len(r[1]) for r in rows)
+    print(f"{'backend':<11} {'measure':<{width}} figure")
+    print(f"{'-' * 11} {'-' * width} {'-' * 16}")
+    for backend, measure, figure in rows:
+        print(f"{backend:<11} {measure:<{width}} {figure}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""The guarded statements behind every task transition, built once.
+
+Each statement is an UPDATE of ``bus_commands`` guarded by the source state
+(and, for a claim's writes, by the claim token), with bind parameters for
+the values, so that running one costs a cached execution, not the building
+of an expression. Only ``shared.queue`` executes them.
+
+Parameters: ``p_id``, ``p_token``, ``p_now`` always; per action the ones its
+``PARAMS`` entry names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.sql.dml import Update
+
+from shared.schema import bus_commands as t
+from shared.states import TRANSITIONS
+
+
+def _p(name: str, type_: Any = sa.Text) -> Any:
+    return sa.bindparam(name, type_=type_)
+
+
+P_ID = _p("p_id", sa.BigInteger)
+P_TOKEN = _p("p_token", sa.BigInteger)
+P_NOW = _p("p_now", sa.Float)
+P_LEASE = _p("p_lease_until", sa.Float)
+P_LIMIT = _p("p_limit", sa.Integer)
+P_AGENT = _p("p_agent")
+P_WORKER = _p("p_worker")
+
+_CLAIMED_CHANGES: dict[str, Mapping[str, Any]] = {
+    "complete": {
+        "result": _p("p_result"),
+        "result_note": _p("p_note"),
+        "attempts": t.c.attempts + 1,
+        "lease_until": None,
+        "first_paused_at": None,
+        "reentry_count": 0,
+    },
+    "fail": {
+        "result_note": _p("p_error"),
+        "last_error": _p("p_error"),
+        "attempts": t.c.attempts + _p("p_spend", sa.Integer),
+        "lease_until": None,
+    },
+    "error": {
+        "result_note": _p("p_error"),
+        "last_error": _p("p_error"),
+        "attempts": t.c.attempts + 1,
+        "lease_until": None,
+    },
+    # No attempt is spent. first_paused_at marks the start of the pause episode
+    # and survives resume/re-pause; a resumed task that pauses again on the same
+    # model raises reentry_count, another model resets it.
+    "pause": {
+        "resume_after": _p("p_resume_after", sa.Float),
+        "pause_reason": _p("p_reason"),
+        "pause_model": _p("p_model"),
+        "pause_count": t.c.pause_count + 1,
+        "first_paused_at": sa.func.coalesce(t.c.first_paused_at, P_NOW),
+        "reentry_count": sa.case(
+            (
+                sa.and_(t.c.resume_count > 0, t.c.pause_model == _p("p_model")),
+                t.c.reentry_count + 1,
+            ),
+            else_=0,
+        ),
+        "lease_until": None,
+    },
+    "release": {"lease_until": None, "claimed_by": None},
+    "requeue": {
+        "attempts": t.c.attempts + 1,
+        "run_after": _p("p_run_after", sa.Float),
+        "last_error": _p("p_error"),
+        "lease_until": None,
+        "claimed_by": None,
+    },
+    "rescue": {"rescue_count": t.c.rescue_count + 1, "lease_until": None, "claimed_by": None},
+    "rescue_fail": {
+        "rescue_count": t.c.rescue_count + 1,
+        "result_note": _p("p_error"),
+        "last_error": _p("p_error"),
+        "lease_until": None,
+        "claimed_by": None,
+    },
+}
+
+
+def _claimed_statement(action: str) -> Update:
+    (source,), target = TRANSITIONS[action]
+    guard = [t.c.id == P_ID, t.c.status == source.value, t.c.claim_token == P_TOKEN]
+    if action.startswith("rescue"):
+        guard.append(t.c.lease_until < P_NOW)  # a worker that heartbeats keeps its task
+    return (
+        sa.update(t)
+        .where(*guard)
+        .values(status=target.value, updated_at=P_NOW, **_CLAIMED_CHANGES[action])
+    )
+
+
+#: action -> the guarded UPDATE that settles a claim held under ``p_token``.
+SETTLE: dict[str, Update] = {action: _claimed_statement(action) for action in _CLAIMED_CHANGES}
+
+HEARTBEAT = (
+    sa.update(t)
+    .where(t.c.id == P_ID, t.c.status == "claimed", t.c.claim_token == P_TOKEN)
+    .values(lease_until=P_LEASE)
+)
+
+_IDS: Any = sa.bindparam("p_ids", expanding=True)
+
+#: action -> UPDATE … WHERE id IN (…) AND status = source RETURNING id (sweeper moves).
+MOVE_MANY: dict[str, Update] = {
+    "resume": sa.update(t)
+    .where(t.c.id.in_(_IDS), t.c.status == "paused")
+    .values(
+        status="queued",
+        updated_at=P_NOW,
+        resume_after=None,
+        resume_count=t.c.resume_count + 1,
+        run_after=P_NOW,
+    )
+    .returning(t.c.id),
+    "demote": sa.update(t)
+    .where(t.c.id.in_(_IDS), t.c.status == "paused")
+    .values(
+        status="failed",
+        updated_at=P_NOW,
+        result_note=_p("p_error"),
+        last_error=_p("p_error"),
+        resume_after=None,
+    )
+    .returning(t.c.id),
+}
+
+
+def claim_statement(dialect: str) -> Update:
+    """Claim up to ``p_limit`` due queued tasks of ``p_agent`` in one statement."""
+    picked = (
+        sa.select(t.c.id)
+        .where(t.c.status == "queued", t.c.agent == P_AGENT, t.c.run_after <= P_NOW)
+        .order_by(t.c.priority.desc(), t.c.id)
+        .limit(P_LIMIT)
+    )
+    if dialect == "postgresql":
+        # A CTE runs once; an IN (subquery … FOR UPDATE) may be re-run per row.
+        cte = picked.with_for_update(skip_locked=True).cte("picked")
+        match = t.c.id == cte.c.id
+    else:
+        match = t.c.id.in_(picked.scalar_subquery())
+    return (
+        sa.update(t)
+        .where(match, t.c.status == "queued")
+        .values(
+            status="claimed",
+            claim_token=t.c.claim_token + 1,
+            claimed_by=P_WORKER,
+            claimed_at=P_NOW,
+            lease_until=P_LEASE,
+            updated_at=P_NOW,
+        )
+        .returning(*t.c)
+    )
+
+
+def _complete_many_postgres() -> Update:
+    """Postgres: complete many claims in one guarded UPDATE over unnest()ed arrays.
+
+    Parameters ``p_ids``, ``p_tokens``, ``p_results`` (parallel arrays) and ``p_now``.
+    """
+    batch = sa.func.unnest(
+        sa.bindparam("p_ids", type_=postgresql.ARRAY(sa.BigInteger)),
+        sa.bindparam("p_tokens", type_=postgresql.ARRAY(sa.BigInteger)),
+        sa.bindparam("p_results", type_=postgresql.ARRAY(sa.Text)),
+    ).table_valued("v_id", "v_token", "v_result").render_derived(name="batch")
+    changes = {**_CLAIMED_CHANGES["complete"], "result": batch.c.v_result, "result_note": None}
+    return (
+        sa.update(t)
+        .where(t.c.id == batch.c.v_id, t.c.claim_token == batch.c.v_token, t.c.status == "claimed")
+        .values(status="done", updated_at=P_NOW, **changes)
+        .returning(t.c.id)
+    )
+
+
+COMPLETE_MANY_POSTGRES = _complete_many_postgres()
