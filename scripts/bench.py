@@ -33,16 +33,13 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from multiprocessing.synchronize import Event
-from pathlib import Path
 
 import psycopg
 import sqlalchemy as sa
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from shared.db import Database, migrate  # noqa: E402
-from shared.queue import TaskQueue  # noqa: E402
-from shared.tasks import TaskSpec  # noqa: E402
+from shared.db import Database, migrate
+from shared.queue import TaskQueue
+from shared.tasks import TaskSpec
 
 PG_URL = os.environ.get(
     "AGENTBUS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -127,6 +124,29 @@ def throughput(url: str, synchronous: str, processes: int, batch: int, tasks: in
     return tasks / elapsed
 
 
+def bench_enqueue(queue: TaskQueue, single: int, batched: int) -> list[tuple[str, str]]:
+    secs = timed(lambda: [queue.enqueue(spec(i)) for i in range(single)])
+    rows = [("enqueue, single", f"{single / secs:,.0f} tasks/s")]
+    secs = timed(
+        lambda: [
+            queue.enqueue_many([spec(i) for i in range(s, s + 500)]) for s in range(0, batched, 500)
+        ]
+    )
+    rows.append(("enqueue, batch of 500", f"{batched / secs:,.0f} tasks/s"))
+    return rows
+
+
+def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    db = Database(url, sqlite_synchronous=args.sqlite_synchronous)
+    rows = bench_enqueue(TaskQueue(db), args.single, args.tasks * 2)
+    db.dispose()
+    for batch in (int(b) for b in args.batches.split(",")):
+        for procs in (int(p) for p in args.processes.split(",")):
+            rate = throughput(url, args.sqlite_synchronous, procs, batch, args.tasks)
+            rows.append((f"claim+complete, {procs} proc, batch {batch}", f"{rate:,.0f} tasks/s"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", default="sqlite,postgresql")
@@ -140,30 +160,7 @@ def main() -> None:
     rows: list[tuple[str, str, str]] = []
     for backend in args.backends.split(","):
         with database(backend, args.sqlite_synchronous) as url:
-            db = Database(url, sqlite_synchronous=args.sqlite_synchronous)
-            queue = TaskQueue(db)
-            n = args.single
-            secs = timed(lambda: [queue.enqueue(spec(i)) for i in range(n)])
-            rows.append((backend, "enqueue, single", f"{n / secs:,.0f} tasks/s"))
-            n = args.tasks * 2
-            secs = timed(
-                lambda: [
-                    queue.enqueue_many([spec(i) for i in range(s, s + 500)])
-                    for s in range(0, n, 500)
-                ]
-            )
-            rows.append((backend, "enqueue, batch of 500", f"{n / secs:,.0f} tasks/s"))
-            db.dispose()
-            for batch in (int(b) for b in args.batches.split(",")):
-                for procs in (int(p) for p in args.processes.split(",")):
-                    rate = throughput(url, args.sqlite_synchronous, procs, batch, args.tasks)
-                    rows.append(
-                        (
-                            backend,
-                            f"claim+complete, {procs} proc, batch {batch}",
-                            f"{rate:,.0f} tasks/s",
-                        )
-                    )
+            rows += [(backend, *row) for row in bench_backend(url, args)]
             print(f"# {backend} done", file=sys.stderr)
 
     width = max(len(r[1]) for r in rows)

@@ -95,9 +95,7 @@ class Database:
         if self.dialect == "sqlite":
             self.engine = _sqlite_engine(self.url, sqlite_busy_timeout_ms, sqlite_synchronous)
         else:
-            self.engine = sa.create_engine(
-                self.url, pool_size=pool_size, max_overflow=pool_size
-            )
+            self.engine = sa.create_engine(self.url, pool_size=pool_size, max_overflow=pool_size)
         self._read_engine = self.engine.execution_options(agentbus_read_only=True)
 
     @classmethod

@@ -174,11 +174,15 @@ def _complete_many_postgres() -> Update:
 
     Parameters ``p_ids``, ``p_tokens``, ``p_results`` (parallel arrays) and ``p_now``.
     """
-    batch = sa.func.unnest(
-        sa.bindparam("p_ids", type_=postgresql.ARRAY(sa.BigInteger)),
-        sa.bindparam("p_tokens", type_=postgresql.ARRAY(sa.BigInteger)),
-        sa.bindparam("p_results", type_=postgresql.ARRAY(sa.Text)),
-    ).table_valued("v_id", "v_token", "v_result").render_derived(name="batch")
+    batch = (
+        sa.func.unnest(
+            sa.bindparam("p_ids", type_=postgresql.ARRAY(sa.BigInteger)),
+            sa.bindparam("p_tokens", type_=postgresql.ARRAY(sa.BigInteger)),
+            sa.bindparam("p_results", type_=postgresql.ARRAY(sa.Text)),
+        )
+        .table_valued("v_id", "v_token", "v_result")
+        .render_derived(name="batch")
+    )
     changes = {**_CLAIMED_CHANGES["complete"], "result": batch.c.v_result, "result_note": None}
     return (
         sa.update(t)

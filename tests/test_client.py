@@ -1,0 +1,30 @@
+"""The producer API an orchestrator uses."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.client import AgentBus, WaitTimeout
+from shared.errors import NotMigrated
+from shared.queue import TaskQueue
+from shared.tasks import InvalidTask
+
+
+def test_enqueue_and_wait_for_the_result(db_url: str) -> None:
+    with AgentBus(db_url) as bus:
+        task_id = bus.enqueue("codex", "write it", models=["sim/a"], payload={"x": 1}, key="k")
+        assert bus.enqueue("codex", "write it", models=["sim/a"], key="k") == task_id
+        with pytest.raises(WaitTimeout, match="still queued"):
+            bus.wait(task_id, timeout=0, poll=0)
+        worker = TaskQueue(bus.db)
+        (task,) = worker.claim("codex", "w", 30)
+        worker.complete(task.id, task.claim_token, "the answer")
+        done = bus.wait(task_id, timeout=5, poll=0)
+        assert (done.status.value, done.result, done.payload) == ("done", "the answer", {"x": 1})
+
+
+def test_bad_input_and_unmigrated_database(db_url: str, empty_db_url: str) -> None:
+    with AgentBus(db_url) as bus, pytest.raises(InvalidTask, match="model chain"):
+        bus.enqueue("codex", "x")
+    with pytest.raises(NotMigrated):
+        AgentBus(empty_db_url)
