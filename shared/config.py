@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.catalog import Catalog
 from shared.errors import ConfigError
 
 ENV_PREFIX = "AGENTBUS_"
@@ -51,6 +52,36 @@ class Settings:
         "SQLite: PRAGMA synchronous (FULL: every commit survives power loss; NORMAL: faster).",
         "FULL",
     )
+    model_cooldown_sec: float = _doc(
+        "Cooldown after a rate-limited/overloaded answer (a longer Retry-After wins).", 180.0
+    )
+    model_timeout_cooldown_sec: float = _doc("Cooldown after a model call timed out.", 1800.0)
+    cooldown_cache_sec: float = _doc(
+        "How long a worker may reuse its last read of model_cooldown.", 1.0
+    )
+    cooldown_slow_read_ms: float = _doc(
+        "A model_cooldown read slower than this switches the process to the slow cache TTL.", 100.0
+    )
+    cooldown_slow_cache_sec: float = _doc("The cache TTL after a slow model_cooldown read.", 10.0)
+    backoff_thresholds: str = _doc(
+        "Worker backoff after consecutive genuine failures, as FAILURES:SECONDS pairs.",
+        "3:30,5:60,10:300",
+    )
+    retry_backoff_sec: float = _doc(
+        "A retryable failure re-queues the task after this many seconds, doubled per attempt.", 10.0
+    )
+    retry_backoff_max_sec: float = _doc("The longest re-queue delay of a retryable failure.", 600.0)
+    call_retries: int = _doc(
+        "In-call retries of a retryable model error before the attempt is spent.", 2
+    )
+    call_retry_wait_sec: float = _doc(
+        "Wait before the first in-call retry (doubles each time).", 0.5
+    )
+    call_timeout_sec: float = _doc("Default timeout of one model call.", 120.0)
+    grace_sec: float = _doc(
+        "On SIGTERM, how long a running call may finish before its task is released.", 30.0
+    )
+    poll_sec: float = _doc("How long an idle worker waits before looking for work again.", 1.0)
 
     @classmethod
     def fields_doc(cls) -> dict[str, str]:
@@ -69,13 +100,22 @@ class Settings:
         ``config_file`` None means ``$AGENTBUS_CONFIG`` or ``./agentbus.toml``
         when it exists. ``overrides`` with value None are ignored (unset flags).
         """
-        env = os.environ if environ is None else environ
+        return load_config(config_file, overrides, environ).settings
+
+    @classmethod
+    def from_doc(
+        cls,
+        doc: Mapping[str, Any],
+        path: Path | None,
+        overrides: Mapping[str, Any] | None,
+        env: Mapping[str, str],
+    ) -> Settings:
         values: dict[str, Any] = {}
-        path = config_file or env.get(ENV_PREFIX + "CONFIG")
-        if path is None and Path(DEFAULT_CONFIG_FILE).is_file():
-            path = DEFAULT_CONFIG_FILE
         if path is not None:
-            values.update(_scalars(read_toml(Path(path))))
+            tables = sorted(k for k, v in doc.items() if isinstance(v, dict) and k not in SECTIONS)
+            if tables:
+                raise ConfigError(f"unknown section [{tables[0]}] in {path}")
+            values.update(_scalars(doc))
         known = {f.name: f for f in dataclasses.fields(cls)}
         for name in known:
             raw = env.get(ENV_PREFIX + name.upper())
@@ -93,9 +133,12 @@ class Settings:
         return settings
 
     def validate(self) -> None:
-        for name in ("lease_sec", "db_retry_sec"):
+        for name in POSITIVE:
             if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"setting {name} must be positive, got {getattr(self, name)}")
+        if self.call_retries < 0:
+            raise ConfigError("setting call_retries must not be negative")
+        self.backoff_steps()  # parses, or raises ConfigError
         if self.max_attempts < 1:
             raise ConfigError(f"setting max_attempts must be at least 1, got {self.max_attempts}")
         if self.sqlite_busy_timeout_ms < 0:
@@ -106,10 +149,78 @@ class Settings:
                 f"got {self.sqlite_synchronous!r}"
             )
 
+    def backoff_steps(self) -> tuple[tuple[int, float], ...]:
+        """``backoff_thresholds`` parsed: ((failures, seconds), …), failures ascending."""
+        steps = []
+        try:
+            for part in self.backoff_thresholds.split(","):
+                failures, seconds = part.split(":")
+                steps.append((int(failures), float(seconds)))
+        except ValueError:
+            raise ConfigError(
+                f"setting backoff_thresholds must look like 3:30,5:60,10:300, "
+                f"got {self.backoff_thresholds!r}"
+            ) from None
+        if any(f < 1 or s < 0 for f, s in steps) or steps != sorted(steps):
+            raise ConfigError("setting backoff_thresholds needs ascending positive failure counts")
+        return tuple(steps)
+
     def replace(self, **changes: Any) -> Settings:
         new = dataclasses.replace(self, **changes)
         new.validate()
         return new
+
+
+POSITIVE = (
+    "lease_sec",
+    "db_retry_sec",
+    "model_cooldown_sec",
+    "model_timeout_cooldown_sec",
+    "cooldown_cache_sec",
+    "cooldown_slow_read_ms",
+    "cooldown_slow_cache_sec",
+    "retry_backoff_sec",
+    "retry_backoff_max_sec",
+    "call_retry_wait_sec",
+    "call_timeout_sec",
+    "grace_sec",
+    "poll_sec",
+)
+#: Tables of the config file that are not settings (see shared.catalog).
+SECTIONS = ("providers", "models", "roles", "agents")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a process is configured with: settings and the model catalog."""
+
+    settings: Settings
+    catalog: Catalog
+    path: Path | None
+
+
+def config_path(config_file: str | Path | None, env: Mapping[str, str]) -> Path | None:
+    """The config file in use: the flag, else $AGENTBUS_CONFIG, else ./agentbus.toml if any."""
+    path = config_file or env.get(ENV_PREFIX + "CONFIG") or None
+    if path is None and Path(DEFAULT_CONFIG_FILE).is_file():
+        path = DEFAULT_CONFIG_FILE
+    return Path(path) if path is not None else None
+
+
+def load_config(
+    config_file: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Read the config file once and build the settings and the catalog from it."""
+    env = os.environ if environ is None else environ
+    path = config_path(config_file, env)
+    doc = read_toml(path) if path is not None else {}
+    try:
+        catalog = Catalog.from_doc(doc)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc.message}") from None
+    return Config(Settings.from_doc(doc, path, overrides, env), catalog, path)
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -125,7 +236,7 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 
 
-def _scalars(doc: dict[str, Any]) -> dict[str, Any]:
+def _scalars(doc: Mapping[str, Any]) -> dict[str, Any]:
     """The top-level non-table keys of a config file (tables are other sections)."""
     return {k: v for k, v in doc.items() if not isinstance(v, dict)}
 

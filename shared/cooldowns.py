@@ -1,0 +1,119 @@
+"""Model cooldowns shared by every process: the only reader and writer of ``model_cooldown``.
+
+A cooldown is written with an upsert that never shortens it: a second 429
+during a cooldown extends it, and a shorter one leaves it be. Reads are
+cached per process for ``cache_sec`` (1 s). When one read of the table takes
+longer than ``slow_read_ms`` (100 ms), the process switches to a
+``slow_cache_sec`` (10 s) cache and says so in its log; a fast read switches
+it back. Writes update the local cache at once, so a process never calls a
+model it has just put in cooldown itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
+
+from shared.db import Database
+from shared.logging import get_logger
+from shared.schema import model_cooldown as mc
+
+log = get_logger("agentbus.cooldowns")
+
+
+class CooldownStore:
+    def __init__(
+        self,
+        db: Database,
+        *,
+        clock: Callable[[], float] = time.time,
+        timer: Callable[[], float] = time.perf_counter,
+        cache_sec: float = 1.0,
+        slow_read_ms: float = 100.0,
+        slow_cache_sec: float = 10.0,
+    ) -> None:
+        self.db = db
+        self.clock = clock
+        self.timer = timer
+        self.normal_ttl = cache_sec
+        self.slow_read_ms = slow_read_ms
+        self.slow_ttl = slow_cache_sec
+        self.ttl = cache_sec
+        self._cache: dict[str, float] = {}
+        self._read_at: float | None = None
+        dialect_insert = postgresql.insert if db.dialect == "postgresql" else sqlite.insert
+        stmt = dialect_insert(mc)
+        longer = stmt.excluded.cooldown_until > mc.c.cooldown_until
+        self._upsert = stmt.on_conflict_do_update(
+            index_elements=[mc.c.model_id],
+            set_={
+                "cooldown_until": sa.case(
+                    (longer, stmt.excluded.cooldown_until), else_=mc.c.cooldown_until
+                ),
+                "reason": sa.case((longer, stmt.excluded.reason), else_=mc.c.reason),
+                "source": sa.case((longer, stmt.excluded.source), else_=mc.c.source),
+                "updated_at": stmt.excluded.updated_at,
+            },
+        ).returning(mc.c.cooldown_until)
+
+    # -- reading -------------------------------------------------------------
+
+    def active(self) -> dict[str, float]:
+        """Every model cooling down now -> when its cooldown ends."""
+        now = self.clock()
+        if self._read_at is None or now - self._read_at >= self.ttl:
+            self._refresh(now)
+        return {model: until for model, until in self._cache.items() if until > now}
+
+    def cooling(self, models: Iterable[str]) -> dict[str, float]:
+        """Those of ``models`` cooling down now -> when each cooldown ends."""
+        active = self.active()
+        return {m: active[m] for m in models if m in active}
+
+    def _refresh(self, now: float) -> None:
+        started = self.timer()
+        rows = self.db.read(
+            lambda conn: conn.execute(
+                sa.select(mc.c.model_id, mc.c.cooldown_until).where(mc.c.cooldown_until > now)
+            ).all()
+        )
+        elapsed_ms = (self.timer() - started) * 1000
+        self._cache = {model: until for model, until in rows}
+        self._read_at = now
+        if elapsed_ms > self.slow_read_ms and self.ttl != self.slow_ttl:
+            self.ttl = self.slow_ttl
+            log.warning("cooldown_read_slow", read_ms=round(elapsed_ms, 1), cache_sec=self.ttl)
+        elif elapsed_ms <= self.slow_read_ms and self.ttl != self.normal_ttl:
+            self.ttl = self.normal_ttl
+            log.info("cooldown_read_fast_again", read_ms=round(elapsed_ms, 1), cache_sec=self.ttl)
+
+    # -- writing -------------------------------------------------------------
+
+    def set(self, model: str, until: float, *, reason: str, source: str | None = None) -> float:
+        """Cool ``model`` down until ``until`` at least; returns when its cooldown now ends."""
+
+        def work(conn: Connection) -> float:
+            row = {
+                "model_id": model,
+                "cooldown_until": until,
+                "updated_at": self.clock(),
+                "reason": reason,
+                "source": source,
+            }
+            return float(conn.execute(self._upsert, row).scalar_one())
+
+        effective = self.db.write(work)
+        self._cache[model] = max(effective, self._cache.get(model, 0.0))
+        return effective
+
+    def purge_expired(self) -> int:
+        """Delete cooldowns that have ended; returns how many."""
+        now = self.clock()
+        deleted = self.db.write(
+            lambda conn: conn.execute(sa.delete(mc).where(mc.c.cooldown_until <= now)).rowcount
+        )
+        return int(deleted)

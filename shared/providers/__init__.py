@@ -1,0 +1,100 @@
+"""Model providers behind one small protocol: a call in, an ``Outcome`` out.
+
+``simulated`` serves every ``sim/…`` model with scripted behaviour; ``openai``
+speaks to any OpenAI-compatible chat-completions endpoint; ``command`` runs a
+CLI agent. A provider never raises for a failed call — it returns an outcome
+— except ``InvalidTask`` when the task itself cannot be run (a malformed
+simulation script), which fails the task with that reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from shared.catalog import SIMULATED_PREFIX, Catalog
+from shared.outcomes import AuthFailed, Failed, Outcome, RateLimited, TimedOut
+
+
+@dataclass(frozen=True)
+class CallRequest:
+    task_id: int
+    model: str
+    prompt: str
+    worker: str
+    timeout_sec: float
+    created_at: float | None = None
+    upstream: str | None = None  # the provider's name for the model, when it differs
+    payload: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Provider(Protocol):
+    def call(self, request: CallRequest) -> Outcome: ...
+
+
+def outcome_named(name: str, detail: str) -> Outcome:
+    """The outcome a config names (exit-code and stderr mappings of the command provider)."""
+    match name:
+        case "rate_limited":
+            return RateLimited(detail)
+        case "overloaded":
+            return RateLimited(detail, overloaded=True)
+        case "timeout":
+            return TimedOut(detail)
+        case "auth":
+            return AuthFailed(detail)
+        case "retryable":
+            return Failed(detail, retryable=True)
+        case _:
+            return Failed(detail, retryable=False)
+
+
+class Providers:
+    """Finds (and keeps) the provider that serves each model."""
+
+    def __init__(self, catalog: Catalog, environ: Mapping[str, str]) -> None:
+        self.catalog = catalog
+        self.environ = environ
+        self._made: dict[str, Provider] = {}
+
+    def for_model(self, model: str) -> tuple[Provider, str]:
+        """The provider of ``model`` and the name that provider knows it by."""
+        if model.startswith(SIMULATED_PREFIX):
+            return self._get("", self._simulated), model
+        config = self.catalog.models[model]
+        return self._get(config.provider, self._configured), config.upstream
+
+    def check(self, payload: Mapping[str, Any], chain: tuple[str, ...]) -> None:
+        """Raise InvalidTask if the payload cannot drive this chain (before any call)."""
+        from shared.providers.simulated import script_for
+
+        for model in chain:
+            if model.startswith(SIMULATED_PREFIX):
+                script_for(payload, model)
+
+    def _get(self, name: str, make: Any) -> Provider:
+        if name not in self._made:
+            self._made[name] = make(name)
+        return self._made[name]
+
+    def _simulated(self, _name: str) -> Provider:
+        from shared.providers.simulated import SimulatedProvider
+
+        return SimulatedProvider(journal=self.environ.get("AGENTBUS_SIM_JOURNAL") or None)
+
+    def _configured(self, name: str) -> Provider:
+        config = self.catalog.providers[name]
+        if config.kind == "openai":
+            from shared.providers.openai import OpenAIProvider
+
+            return OpenAIProvider(config, self.environ)
+        from shared.providers.command import CommandProvider
+
+        return CommandProvider(config)
+
+    def close(self) -> None:
+        for provider in self._made.values():
+            close = getattr(provider, "close", None)
+            if close is not None:
+                close()

@@ -1,0 +1,124 @@
+"""The simulated provider: scripted outcomes per task, for the demo, tests and benchmarks.
+
+A task's payload key ``simulate`` maps a model id to a behaviour, either a
+name — ``ok``, ``rate_limited``, ``overloaded``, ``timeout``, ``error``
+(retryable), ``fatal`` (permanent), ``auth`` — or an object::
+
+    {"behaviour": "rate_limited", "for_s": 15, "retry_after_s": 5, "latency_ms": 200}
+
+``until`` (epoch seconds) or ``for_s`` (seconds after the task was created)
+limit the behaviour in time; after that the model answers ok. Models not
+named answer ok. With ``AGENTBUS_SIM_JOURNAL`` set, every call appends one
+JSON line (time, model, task, worker, outcome) to that file, so tests can
+count the calls a model really received.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from shared.outcomes import AuthFailed, Failed, Outcome, RateLimited, Succeeded, TimedOut, Usage
+from shared.providers import CallRequest
+from shared.tasks import InvalidTask
+
+BEHAVIOURS = ("ok", "rate_limited", "overloaded", "timeout", "error", "fatal", "auth")
+_KEYS = {"behaviour", "until", "for_s", "retry_after_s", "latency_ms"}
+
+
+def script_for(payload: Mapping[str, Any], model: str) -> dict[str, Any]:
+    """The behaviour object for ``model`` from a task payload (validated)."""
+    table = payload.get("simulate", {})
+    if not isinstance(table, dict):
+        raise InvalidTask("payload.simulate must be an object mapping model ids to behaviours")
+    raw = table.get(model, "ok")
+    script = {"behaviour": raw} if isinstance(raw, str) else raw
+    if not isinstance(script, dict) or set(script) - _KEYS:
+        raise InvalidTask(
+            f"payload.simulate[{model!r}] must be a behaviour name or an object "
+            f"with keys {', '.join(sorted(_KEYS))}"
+        )
+    if script.get("behaviour", "ok") not in BEHAVIOURS:
+        raise InvalidTask(
+            f"payload.simulate[{model!r}]: unknown behaviour "
+            f"{script.get('behaviour')!r} (one of {', '.join(BEHAVIOURS)})"
+        )
+    for key in ("until", "for_s", "retry_after_s", "latency_ms"):
+        value = script.get(key)
+        if value is not None and (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value < 0
+        ):
+            raise InvalidTask(f"payload.simulate[{model!r}].{key} must be a non-negative number")
+    return script
+
+
+class SimulatedProvider:
+    def __init__(self, *, journal: str | None = None, clock: Any = time.time) -> None:
+        self.journal = journal
+        self.clock = clock
+
+    def call(self, request: CallRequest) -> Outcome:
+        script = script_for(request.payload, request.model)
+        if script.get("latency_ms"):
+            time.sleep(script["latency_ms"] / 1000)
+        behaviour = script.get("behaviour", "ok")
+        now = self.clock()
+        until = script.get("until")
+        if script.get("for_s") is not None:
+            until = (request.created_at or now) + script["for_s"]
+        if until is not None and now >= until:
+            behaviour = "ok"
+        outcome = self._outcome(behaviour, request, script)
+        self._log(request, behaviour, now)
+        return outcome
+
+    @staticmethod
+    def _outcome(behaviour: str, request: CallRequest, script: Mapping[str, Any]) -> Outcome:
+        what = f"simulated {behaviour} from {request.model}"
+        match behaviour:
+            case "ok":
+                words = len(request.prompt.split())
+                return Succeeded(
+                    f"[{request.model}] done: {request.prompt[:60]}",
+                    Usage(prompt_tokens=words, completion_tokens=8),
+                )
+            case "rate_limited" | "overloaded":
+                return RateLimited(
+                    what,
+                    retry_after_sec=script.get("retry_after_s"),
+                    overloaded=behaviour == "overloaded",
+                )
+            case "timeout":
+                return TimedOut(what)
+            case "auth":
+                return AuthFailed(what)
+            case _:
+                return Failed(what, retryable=behaviour == "error")
+
+    def _log(self, request: CallRequest, behaviour: str, now: float) -> None:
+        if not self.journal:
+            return
+        line = (
+            json.dumps(
+                {
+                    "time": now,
+                    "model": request.model,
+                    "task_id": request.task_id,
+                    "worker": request.worker,
+                    "outcome": behaviour,
+                }
+            )
+            + "\n"
+        )
+        fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())  # one O_APPEND write: lines never interleave
+        finally:
+            os.close(fd)

@@ -1,0 +1,73 @@
+"""The ``workers`` table: one row per live worker process (its only writer).
+
+Operators read it to see who is alive (heartbeat), what each is running and
+whether it is backing off. A clean exit removes the row; a killed worker's
+row goes stale and the sweeper prunes it after rescuing its task.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from shared.db import Database
+from shared.schema import workers as w
+
+
+def new_worker_id(agent: str) -> str:
+    return f"{agent}@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:4]}"
+
+
+class WorkerRegistry:
+    def __init__(
+        self, db: Database, worker_id: str, agent: str, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.db = db
+        self.id = worker_id
+        self.agent = agent
+        self.clock = clock
+        self.consecutive_failures = 0
+        self.backoff_until: float | None = None
+        self.current_task: int | None = None
+
+    def register(self) -> None:
+        now = self.clock()
+        row = {
+            "id": self.id,
+            "agent": self.agent,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_at": now,
+            "heartbeat_at": now,
+            "consecutive_failures": self.consecutive_failures,
+            "backoff_until": self.backoff_until,
+            "current_task": self.current_task,
+        }
+        self.db.write(lambda conn: conn.execute(sa.insert(w), row))
+
+    def beat(self) -> None:
+        """Write heartbeat, current task and backoff state (re-registering if pruned)."""
+
+        def work(conn: Connection) -> int:
+            return conn.execute(
+                sa.update(w)
+                .where(w.c.id == self.id)
+                .values(
+                    heartbeat_at=self.clock(),
+                    current_task=self.current_task,
+                    consecutive_failures=self.consecutive_failures,
+                    backoff_until=self.backoff_until,
+                )
+            ).rowcount
+
+        if self.db.write(work) == 0:
+            self.register()
+
+    def remove(self) -> None:
+        self.db.write(lambda conn: conn.execute(sa.delete(w).where(w.c.id == self.id)))

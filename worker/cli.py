@@ -1,0 +1,101 @@
+"""``worker --agent NAME``: run one agent's tasks until stopped."""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+import click
+
+from shared import cli
+from shared.config import load_config
+from shared.db import Database
+from shared.errors import ConfigError
+from shared.logging import configure
+from shared.tasks import NAME_RE
+from worker.loop import Options, Worker
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--agent", required=True, help="The agent whose tasks this process runs.")
+@cli.db_option
+@cli.config_option
+@click.option("--drain", is_flag=True, help="Exit 0 once nothing is claimable for the agent.")
+@click.option("--max-tasks", type=click.IntRange(min=1), help="Exit after this many tasks.")
+@click.option(
+    "--lease",
+    "lease_sec",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="Claim lease, renewed while a task runs [setting lease_sec].",
+)
+@click.option(
+    "--poll",
+    "poll_sec",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="Idle wait between claims [setting poll_sec].",
+)
+@click.option(
+    "--grace",
+    "grace_sec",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="On SIGTERM, time a running call may finish [setting grace_sec].",
+)
+@click.option("--log-json", is_flag=True, help="Log JSON lines (default: readable lines).")
+def worker(
+    agent: str,
+    db_url: str | None,
+    config_file: str | None,
+    drain: bool,
+    max_tasks: int | None,
+    lease_sec: float | None,
+    poll_sec: float | None,
+    grace_sec: float | None,
+    log_json: bool,
+) -> None:
+    """Claim and run the tasks of one agent, one at a time."""
+    configure(json=log_json)
+    if not NAME_RE.match(agent):
+        raise click.BadParameter(f"invalid agent name {agent!r}", param_hint="--agent")
+    config = load_config(
+        config_file,
+        {
+            "database_url": db_url,
+            "lease_sec": lease_sec,
+            "poll_sec": poll_sec,
+            "grace_sec": grace_sec,
+        },
+    )
+    if config.catalog.agents and agent not in config.catalog.agents:
+        raise ConfigError(
+            f"unknown agent {agent!r}: {config.path} configures "
+            f"{', '.join(sorted(config.catalog.agents))}"
+        )
+    settings = config.settings
+    db = Database.from_settings(settings)
+    try:
+        db.require_migrated()
+        options = Options(
+            agent,
+            settings.lease_sec,
+            settings.poll_sec,
+            settings.grace_sec,
+            drain=drain,
+            max_tasks=max_tasks,
+        )
+        runner = Worker(config, db, options)
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            runner.request_stop(signal.Signals(signum).name)
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        runner.run()
+    finally:
+        db.dispose()
+
+
+def main() -> None:
+    cli.run(worker, "worker")

@@ -1,0 +1,234 @@
+"""The worker loop: claim -> run -> settle, one task at a time, for one agent.
+
+While a task runs (in a helper thread) the loop renews its lease and the
+worker's heartbeat. A pause is not a failure: only genuine failures count
+towards the backoff sleep, which a stop request interrupts. On SIGTERM the
+loop claims nothing more, lets the running call finish within the grace
+period, and otherwise gives the task back to the queue.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+from shared.config import Config
+from shared.cooldowns import CooldownStore
+from shared.db import Database
+from shared.errors import TransitionRejected
+from shared.logging import get_logger
+from shared.providers import Providers
+from shared.queue import TaskQueue
+from shared.tasks import Task
+from shared.workers import WorkerRegistry, new_worker_id
+from worker import policy
+from worker.runner import Run, Runner
+
+log = get_logger("agentbus.worker")
+
+
+@dataclass(frozen=True)
+class Options:
+    agent: str
+    lease_sec: float
+    poll_sec: float
+    grace_sec: float
+    drain: bool = False
+    max_tasks: int | None = None
+
+
+class Worker:
+    def __init__(self, config: Config, db: Database, options: Options) -> None:
+        settings = config.settings
+        self.options = options
+        self.id = new_worker_id(options.agent)
+        self.log = log.bind(worker=self.id)
+        self.queue = TaskQueue(db, max_attempts=settings.max_attempts)
+        self.registry = WorkerRegistry(db, self.id, options.agent)
+        self.providers = Providers(config.catalog, os.environ)
+        self.backoff_steps = settings.backoff_steps()
+        self.runner = Runner(
+            settings=settings,
+            catalog=config.catalog,
+            providers=self.providers,
+            worker_id=self.id,
+            cooldowns=CooldownStore(
+                db,
+                cache_sec=settings.cooldown_cache_sec,
+                slow_read_ms=settings.cooldown_slow_read_ms,
+                slow_cache_sec=settings.cooldown_slow_cache_sec,
+            ),
+        )
+        self.stopping = threading.Event()
+        self._last_beat = 0.0
+
+    def request_stop(self, reason: str = "signal") -> None:
+        if not self.stopping.is_set():
+            self.log.info("shutdown_requested", reason=reason)
+        self.stopping.set()
+
+    def run(self) -> int:
+        self.registry.register()
+        self.log.info("worker_started", agent=self.options.agent, pid=os.getpid())
+        processed = 0
+        try:
+            while not self.stopping.is_set():
+                if self.options.max_tasks is not None and processed >= self.options.max_tasks:
+                    break
+                tasks = self.queue.claim(self.options.agent, self.id, self.options.lease_sec)
+                if not tasks:
+                    if self.options.drain:
+                        break
+                    self._beat_if_due()
+                    self.stopping.wait(self.options.poll_sec)
+                    continue
+                self._process(tasks[0])
+                processed += 1
+        finally:
+            self.registry.remove()
+            self.providers.close()
+            self.log.info("shutdown", processed=processed)
+        return 0
+
+    # -- one task ------------------------------------------------------------
+
+    def _process(self, task: Task) -> None:
+        log = self.log.bind(task_id=task.id)
+        log.info("claimed", agent=task.agent, attempts=task.attempts, token=task.claim_token)
+        self.registry.current_task = task.id
+        self._beat()
+        box: dict[str, Run | BaseException] = {}
+
+        def target() -> None:
+            try:
+                box["run"] = self.runner.run(task)
+            except Exception as exc:  # a bug in our code or a handler: the task errors
+                box["error"] = exc
+                log.error("task_crashed", error=repr(exc), traceback=traceback.format_exc())
+
+        thread = threading.Thread(target=target, name=f"task-{task.id}", daemon=True)
+        thread.start()
+        next_heartbeat = time.monotonic() + self.options.lease_sec / 3
+        grace_ends: float | None = None
+        while thread.is_alive():
+            thread.join(0.1)
+            if self.stopping.is_set() and grace_ends is None:
+                grace_ends = time.monotonic() + self.options.grace_sec
+            if grace_ends is not None and time.monotonic() >= grace_ends and thread.is_alive():
+                self._release(task)
+                return
+            if time.monotonic() >= next_heartbeat and thread.is_alive():
+                next_heartbeat = time.monotonic() + self.options.lease_sec / 3
+                self._heartbeat(task)
+        self.registry.current_task = None
+        result = box.get("run")
+        if isinstance(result, Run):
+            self._settle(task, result)
+        else:
+            self._settle_error(task, box.get("error"))
+
+    def _heartbeat(self, task: Task) -> None:
+        try:
+            self.queue.heartbeat(task.id, task.claim_token, self.options.lease_sec)
+        except TransitionRejected as exc:
+            self.log.warning("claim_lost", task_id=task.id, detail=exc.message)
+        self._beat()
+
+    def _release(self, task: Task) -> None:
+        try:
+            self.queue.release(task.id, task.claim_token, "shutdown", worker=self.id)
+            self.log.info("task_released", task_id=task.id, reason="shutdown")
+        except TransitionRejected as exc:
+            self.log.warning("claim_lost", task_id=task.id, detail=exc.message)
+        self.registry.current_task = None
+
+    def _settle(self, task: Task, run: Run) -> None:
+        d = run.decision
+        q, tid, tok, me = self.queue, task.id, task.claim_token, self.id
+        try:
+            match d:
+                case policy.Complete():
+                    q.complete(tid, tok, d.result, worker=me, note=f"model={d.model}")
+                    self.log.info("task_done", task_id=tid, model=d.model, calls=run.calls)
+                case policy.Pause():
+                    q.pause(
+                        tid,
+                        tok,
+                        d.resume_after,
+                        d.reason,
+                        model=d.model,
+                        worker=me,
+                        detail={"cooling": dict(d.cooling), **run.detail()},
+                    )
+                    self.log.info(
+                        "task_paused",
+                        task_id=tid,
+                        model=d.model,
+                        resume_in=round(d.resume_after - time.time(), 1),
+                    )
+                case policy.Requeue():
+                    q.requeue(tid, tok, d.run_after, d.error, worker=me)
+                    self.log.info(
+                        "task_retry",
+                        task_id=tid,
+                        error=d.error,
+                        run_in=round(d.run_after - time.time(), 1),
+                    )
+                case policy.Fail():
+                    q.fail(tid, tok, d.reason, worker=me)
+                    self.log.warning("task_failed", task_id=tid, reason=d.reason)
+        except TransitionRejected as exc:
+            # Our lease ran out and the task went to someone else: our work is void.
+            self.log.warning("claim_lost", task_id=tid, detail=exc.message)
+            return
+        if isinstance(d, policy.Complete):
+            self._record(failed=False)
+        elif isinstance(d, (policy.Requeue, policy.Fail)):
+            self._record(failed=True, why=getattr(d, "reason", getattr(d, "error", "")))
+
+    def _settle_error(self, task: Task, exc: object) -> None:
+        message = f"{type(exc).__name__}: {exc}"
+        try:
+            self.queue.error(task.id, task.claim_token, message, worker=self.id)
+            self.log.error("task_error", task_id=task.id, error=message)
+        except TransitionRejected as rejected:
+            self.log.warning("claim_lost", task_id=task.id, detail=rejected.message)
+            return
+        self._record(failed=True, why=message)
+
+    # -- failures and backoff ------------------------------------------------
+
+    def _record(self, *, failed: bool, why: str = "") -> None:
+        reg = self.registry
+        if not failed:
+            if reg.consecutive_failures:
+                reg.consecutive_failures = 0
+                self._beat()
+            return
+        reg.consecutive_failures += 1
+        seconds = policy.backoff_sec(reg.consecutive_failures, self.backoff_steps)
+        if not seconds:
+            self._beat()
+            return
+        reg.backoff_until = time.time() + seconds
+        self._beat()
+        self.log.warning(
+            "backoff",
+            seconds=seconds,
+            consecutive_failures=reg.consecutive_failures,
+            last_error=why,
+        )
+        self.stopping.wait(seconds)
+        reg.backoff_until = None
+        self._beat()
+
+    def _beat(self) -> None:
+        self.registry.beat()
+        self._last_beat = time.monotonic()
+
+    def _beat_if_due(self) -> None:
+        if time.monotonic() - self._last_beat >= self.options.lease_sec / 3:
+            self._beat()
