@@ -4,6 +4,11 @@
 Workload (per backend):
 - enqueue, single: N calls of ``TaskQueue.enqueue`` (one transaction each).
 - enqueue, batch: ``TaskQueue.enqueue_many`` in batches of 500.
+- cooldown check: ``CooldownStore.cooling`` of a 3-model chain with 50 active
+  cooldowns, through the 1 s cache and with no cache (one read each time).
+- worker processes: 2 real ``worker --drain`` processes run T/2 simulated no-op
+  tasks one at a time (claim, call, complete, each its own transaction),
+  measured from spawn to exit (start-up included); peak RSS of one worker.
 - claim+complete: T no-op tasks are enqueued first; then P worker processes
   (spawned, connected and warmed up before the clock starts) claim and
   complete until the queue is empty. ``batch`` is how many tasks one claim
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,10 +39,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from multiprocessing.synchronize import Event
+from pathlib import Path
 
 import psycopg
 import sqlalchemy as sa
 
+from shared.cooldowns import CooldownStore
 from shared.db import Database, migrate
 from shared.queue import TaskQueue
 from shared.tasks import TaskSpec
@@ -136,10 +144,66 @@ def bench_enqueue(queue: TaskQueue, single: int, batched: int) -> list[tuple[str
     return rows
 
 
+def bench_cooldowns(db: Database) -> list[tuple[str, str]]:
+    """Eligibility check of a 3-model chain against 50 active cooldowns."""
+    writer = CooldownStore(db)
+    for i in range(50):
+        writer.set(f"sim/m{i}", time.time() + 3600, reason="bench")
+    chain = ["sim/m1", "sim/free", "sim/m7"]
+    rows = []
+    for label, ttl, n in (("cached (1 s TTL)", 1.0, 20_000), ("uncached", 1e-9, 2_000)):
+        store = CooldownStore(db, cache_sec=ttl)
+        store.cooling(chain)
+        secs = timed(lambda store=store, n=n: [store.cooling(chain) for _ in range(n)])
+        rows.append((f"cooldown check, {label}", f"{secs / n * 1e6:,.1f} µs"))
+    return rows
+
+
+def bench_workers(url: str, synchronous: str, processes: int, tasks: int) -> list[tuple[str, str]]:
+    """Real ``worker --drain`` processes (one task at a time) over no-op simulated tasks."""
+    db = Database(url, sqlite_synchronous=synchronous)
+    queue = TaskQueue(db)
+    for start in range(0, tasks, 500):
+        queue.enqueue_many([spec(i, "wbench") for i in range(start, min(tasks, start + 500))])
+    db.dispose()
+    exe = str(Path(sys.executable).with_name("worker"))
+    env = {**os.environ, "AGENTBUS_SQLITE_SYNCHRONOUS": synchronous}
+    began = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [exe, "--agent", "wbench", "--db", url, "--drain"], env=env, stderr=subprocess.DEVNULL
+        )
+        for _ in range(processes)
+    ]
+    peak_kib = 0
+    while any(p.poll() is None for p in procs):
+        for p in procs:
+            peak_kib = max(peak_kib, _rss_kib(p.pid))
+        time.sleep(0.05)
+    elapsed = time.perf_counter() - began
+    return [
+        (f"worker processes, {processes} x drain {tasks} tasks", f"{tasks / elapsed:,.0f} tasks/s"),
+        ("worker RSS, peak", f"{peak_kib / 1024:,.1f} MiB"),
+    ]
+
+
+def _rss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     db = Database(url, sqlite_synchronous=args.sqlite_synchronous)
     rows = bench_enqueue(TaskQueue(db), args.single, args.tasks * 2)
+    rows += bench_cooldowns(db)
     db.dispose()
+    rows += bench_workers(url, args.sqlite_synchronous, 2, args.tasks // 2)
     for batch in (int(b) for b in args.batches.split(",")):
         for procs in (int(p) for p in args.processes.split(",")):
             rate = throughput(url, args.sqlite_synchronous, procs, batch, args.tasks)

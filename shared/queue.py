@@ -173,9 +173,16 @@ class TaskQueue:
         *,
         worker: str | None = None,
         note: str | None = None,
+        detail: Mapping[str, Any] | None = None,
     ) -> None:
         self._settle(
-            "complete", task_id, token, worker, "done", {"p_result": result, "p_note": note}
+            "complete",
+            task_id,
+            token,
+            worker,
+            "done",
+            {"p_result": result, "p_note": note},
+            detail=detail,
         )
 
     def complete_many(

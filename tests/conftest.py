@@ -22,7 +22,7 @@ import sqlalchemy as sa
 
 from shared.db import Database, migrate
 from shared.queue import TaskQueue
-from tests.support import FakeClock
+from tests.support import FakeClock, Proc
 
 PG_URL = os.environ.get(
     "AGENTBUS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -179,3 +179,23 @@ def run_busctl() -> Callable[..., subprocess.CompletedProcess[str]]:
         )
 
     return run
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
+    """Start an installed console script (``worker``, ``sweeper``) as a real process."""
+    started: list[Proc] = []
+    counter = iter(range(1000))
+
+    def start(program: str, *args: str, env: dict[str, str] | None = None) -> Proc:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
+        exe = str(Path(sys.executable).with_name(program))
+        proc = Proc(
+            [exe, *args], {**clean, **(env or {})}, str(tmp_path / f"{program}-{next(counter)}.log")
+        )
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()

@@ -33,3 +33,44 @@ def wait_until(predicate: Callable[[], T], *, timeout: float = 30.0, every: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(every)
+
+
+class Proc:
+    """A real agentbus process (worker, sweeper) whose log goes to a file."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: str) -> None:
+        import subprocess
+
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in wait()
+        self.popen = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            return self.popen.wait(timeout)
+        finally:
+            self._log.close()
+
+    def signal(self, signum: int) -> None:
+        self.popen.send_signal(signum)
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.wait()
+
+    def events(self) -> list[dict[str, object]]:
+        """The JSON log lines (``--log-json``) written so far."""
+        import json
+
+        out = []
+        with open(self.log_path) as fh:
+            for line in fh:
+                line = line.strip()
+                if line.startswith("{"):
+                    out.append(json.loads(line))
+        return out
+
+    def text(self) -> str:
+        with open(self.log_path) as fh:
+            return fh.read()

@@ -220,3 +220,34 @@ def test_complete_many_reports_superseded_claims(queue: TaskQueue) -> None:
         assert reads.task_events(queue.db, task.id)[-1]["worker"] == "w1"
     assert queue.get(stale.id).status is TaskStatus.CLAIMED
     assert queue.complete_many([]) == []
+
+
+def test_reentry_counts_repeat_pauses_on_the_same_model(queue: TaskQueue, clock: FakeClock) -> None:
+    """A resumed task that pauses again on the same model: reentry_count rises."""
+    task_id = queue.enqueue(spec()).id
+
+    def pause_on(model: str) -> int:
+        (task,) = queue.claim("codex", "w", 30)
+        queue.pause(task.id, task.claim_token, clock.now + 60, "cooldown", model=model)
+        return queue.get(task_id).reentry_count
+
+    first_pause = clock.now
+    assert pause_on("sim/a") == 0  # a first pause is no re-entry
+    counts = []
+    for _ in range(3):
+        clock.advance(60)
+        assert queue.resume([task_id]) == [task_id]
+        counts.append(pause_on("sim/a"))
+    assert counts == [1, 2, 3]
+    clock.advance(60)
+    queue.resume([task_id])
+    assert pause_on("sim/b") == 0  # another model resets it
+    task = queue.get(task_id)
+    assert (task.pause_count, task.resume_count, task.attempts) == (5, 4, 0)
+    assert task.first_paused_at == first_pause  # the episode started with the first pause
+    clock.advance(60)
+    queue.resume([task_id])
+    (task,) = queue.claim("codex", "w", 30)
+    queue.complete(task.id, task.claim_token, "ok")
+    done = queue.get(task_id)
+    assert (done.reentry_count, done.first_paused_at) == (0, None)

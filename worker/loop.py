@@ -99,7 +99,7 @@ class Worker:
         log = self.log.bind(task_id=task.id)
         log.info("claimed", agent=task.agent, attempts=task.attempts, token=task.claim_token)
         self.registry.current_task = task.id
-        self._beat()
+        self._beat_if_due(1.0)  # at most once a second: short tasks need no write each
         box: dict[str, Run | BaseException] = {}
 
         def target() -> None:
@@ -151,7 +151,18 @@ class Worker:
         try:
             match d:
                 case policy.Complete():
-                    q.complete(tid, tok, d.result, worker=me, note=f"model={d.model}")
+                    usage = {
+                        "prompt_tokens": d.usage.prompt_tokens,
+                        "completion_tokens": d.usage.completion_tokens,
+                    }
+                    q.complete(
+                        tid,
+                        tok,
+                        d.result,
+                        worker=me,
+                        note=f"model={d.model}",
+                        detail={"model": d.model, "usage": usage, **run.detail()},
+                    )
                     self.log.info("task_done", task_id=tid, model=d.model, calls=run.calls)
                 case policy.Pause():
                     q.pause(
@@ -229,6 +240,7 @@ class Worker:
         self.registry.beat()
         self._last_beat = time.monotonic()
 
-    def _beat_if_due(self) -> None:
-        if time.monotonic() - self._last_beat >= self.options.lease_sec / 3:
+    def _beat_if_due(self, interval: float | None = None) -> None:
+        every = self.options.lease_sec / 3 if interval is None else interval
+        if time.monotonic() - self._last_beat >= every:
             self._beat()

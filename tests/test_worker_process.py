@@ -1,0 +1,284 @@
+"""Real ``worker`` processes against SQLite and Postgres, asserting on the database."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from shared import reads
+from shared.db import Database
+from shared.queue import TaskQueue
+from shared.schema import model_cooldown, workers
+from shared.tasks import TaskSpec
+from tests.support import Proc, wait_until
+
+pytestmark = pytest.mark.process
+Spawn = Callable[..., Proc]
+AGENTS = ["analyst-macro", "codex", "ron"]
+
+
+@pytest.fixture
+def queue(db_url: str) -> Iterator[TaskQueue]:
+    db = Database(db_url)
+    yield TaskQueue(db)
+    db.dispose()
+
+
+def enqueue(
+    queue: TaskQueue,
+    agent: str,
+    payload: dict[str, object],
+    n: int = 1,
+    models: tuple[str, ...] = ("sim/a", "sim/b"),
+    priority: int = 0,
+) -> list[int]:
+    return [
+        queue.enqueue(
+            TaskSpec(
+                agent=agent,
+                command=f"{agent} task {i}",
+                models=models,
+                payload=payload,
+                priority=priority,
+            )
+        ).id
+        for i in range(n)
+    ]
+
+
+def journal_calls(path: Path) -> Counter[str]:
+    if not path.exists():
+        return Counter()
+    return Counter(json.loads(line)["model"] for line in path.read_text().splitlines())
+
+
+def test_every_model_cooling_pauses_every_task_and_each_model_is_called_once(
+    db_url: str, queue: TaskQueue, spawn: Spawn, tmp_path: Path
+) -> None:
+    journal = tmp_path / "journal.jsonl"
+    env = {"AGENTBUS_SIM_JOURNAL": str(journal)}
+    script = {
+        "simulate": {
+            "sim/a": "rate_limited",
+            "sim/b": {"behaviour": "overloaded", "retry_after_s": 400},
+        }
+    }
+    ids = [i for agent in AGENTS for i in enqueue(queue, agent, script, n=5)]
+
+    first = spawn("worker", "--agent", AGENTS[0], "--db", db_url, "--drain", "--log-json", env=env)
+    assert first.wait() == 0, first.text()
+    # Workers started afterwards (other processes) skip the cooled models without a call.
+    second = spawn("worker", "--agent", AGENTS[1], "--db", db_url, "--drain", "--log-json", env=env)
+    third = spawn("worker", "--agent", AGENTS[2], "--db", db_url, "--log-json", env=env)
+    assert second.wait() == 0, second.text()
+    wait_until(lambda: all(queue.get(i).status == "paused" for i in ids))
+    with queue.db.engine.connect() as conn:
+        row = conn.execute(sa.select(workers).where(workers.c.agent == AGENTS[2])).one()
+        cooldowns = dict(
+            conn.execute(
+                sa.select(model_cooldown.c.model_id, model_cooldown.c.cooldown_until)
+            ).all()
+        )
+    assert (row.consecutive_failures, row.backoff_until) == (0, None)
+    third.signal(signal.SIGTERM)
+    assert third.wait() == 0
+
+    assert journal_calls(journal) == {"sim/a": 1, "sim/b": 1}
+    assert set(cooldowns) == {"sim/a", "sim/b"}
+    assert cooldowns["sim/b"] - cooldowns["sim/a"] == pytest.approx(220, abs=1)  # Retry-After 400
+    for task_id in ids:
+        task = queue.get(task_id)
+        assert (task.status, task.attempts) == ("paused", 0)
+        assert task.resume_after == cooldowns["sim/a"]  # the earliest expiry
+        assert (task.pause_model, task.pause_reason) == (
+            "sim/a",
+            "all candidate models are cooling down",
+        )
+        assert [e["to_status"] for e in reads.task_events(queue.db, task_id)] == [
+            "queued",
+            "claimed",
+            "paused",
+        ]
+    for proc in (first, second, third):
+        names = [e["event"] for e in proc.events()]
+        assert "backoff" not in names and "task_failed" not in names
+        assert "RATE-LIMITED" not in proc.text()
+    assert (
+        Counter(e["event"] for p in (first, second, third) for e in p.events())["task_paused"] == 15
+    )
+
+
+def test_backoff_at_3_5_10_failures_and_reset_by_success(
+    db_url: str, queue: TaskQueue, spawn: Spawn
+) -> None:
+    fatal = {"simulate": {"sim/a": "fatal"}}
+    for i in range(11):  # priorities make the claim order: 11 failures, a success, a failure
+        enqueue(queue, "codex", fatal, models=("sim/a",), priority=100 - i)
+    enqueue(queue, "codex", {}, models=("sim/a",), priority=50)
+    enqueue(queue, "codex", fatal, models=("sim/a",), priority=40)
+    env = {"AGENTBUS_BACKOFF_THRESHOLDS": "3:0.03,5:0.06,10:0.12"}
+    proc = spawn("worker", "--agent", "codex", "--db", db_url, "--drain", "--log-json", env=env)
+    assert proc.wait() == 0, proc.text()
+    backoffs = [
+        (e["consecutive_failures"], e["seconds"]) for e in proc.events() if e["event"] == "backoff"
+    ]
+    assert backoffs == [
+        (3, 0.03),
+        (4, 0.03),
+        (5, 0.06),
+        (6, 0.06),
+        (7, 0.06),
+        (8, 0.06),
+        (9, 0.06),
+        (10, 0.12),
+        (11, 0.12),
+    ]
+    assert reads.counts(queue.db) == {("failed", "codex"): 12, ("done", "codex"): 1}
+
+
+def test_sigterm_lets_a_short_call_finish(db_url: str, queue: TaskQueue, spawn: Spawn) -> None:
+    (task_id,) = enqueue(
+        queue, "codex", {"simulate": {"sim/a": {"latency_ms": 1500}}}, models=("sim/a",)
+    )
+    proc = spawn("worker", "--agent", "codex", "--db", db_url, "--grace", "30")
+    wait_until(lambda: queue.get(task_id).status == "claimed")
+    proc.signal(signal.SIGTERM)
+    assert proc.wait() == 0
+    assert queue.get(task_id).status == "done"
+
+
+def test_sigterm_releases_a_call_that_outlives_the_grace(
+    db_url: str, queue: TaskQueue, spawn: Spawn
+) -> None:
+    (task_id,) = enqueue(
+        queue, "codex", {"simulate": {"sim/a": {"latency_ms": 60_000}}}, models=("sim/a",)
+    )
+    proc = spawn("worker", "--agent", "codex", "--db", db_url, "--grace", "0.3", "--log-json")
+    wait_until(lambda: queue.get(task_id).status == "claimed")
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+    task = queue.get(task_id)
+    assert (task.status, task.attempts) == ("queued", 0)
+    assert reads.task_events(queue.db, task_id)[-1]["reason"] == "shutdown"
+    assert "task_released" in [e["event"] for e in proc.events()]
+
+
+def test_retryable_error_spends_an_attempt_then_fails(
+    db_url: str, queue: TaskQueue, spawn: Spawn
+) -> None:
+    (task_id,) = enqueue(queue, "codex", {"simulate": {"sim/a": "error"}}, models=("sim/a",))
+    env = {"AGENTBUS_RETRY_BACKOFF_SEC": "0.01", "AGENTBUS_CALL_RETRY_WAIT_SEC": "0.01"}
+    for attempt in (1, 2, 3):
+        proc = spawn("worker", "--agent", "codex", "--db", db_url, "--max-tasks", "1", env=env)
+        assert proc.wait() == 0
+        assert queue.get(task_id).attempts == attempt
+    task = queue.get(task_id)
+    assert task.status == "failed"
+    assert task.last_error == "attempts exhausted (3/3): simulated error from sim/a"
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        ({"payload": {"simulate": ["nope"]}}, "payload.simulate must be an object"),
+        ({"payload": {"simulate": {"sim/a": "melt"}}}, "unknown behaviour 'melt'"),
+        ({"models": ("gpt-unknown",)}, "unknown model 'gpt-unknown'"),
+        ({"models": None, "role": "writer"}, "unknown role 'writer'"),
+    ],
+)
+def test_tasks_the_worker_cannot_run_fail_with_a_reason(
+    db_url: str, queue: TaskQueue, spawn: Spawn, spec: dict[str, object], reason: str
+) -> None:
+    fields = {"agent": "codex", "command": "x", "models": ("sim/a",), **spec}
+    task_id = queue.enqueue(TaskSpec(**fields)).id  # type: ignore[arg-type]
+    proc = spawn("worker", "--agent", "codex", "--db", db_url, "--drain")
+    assert proc.wait() == 0, proc.text()
+    task = queue.get(task_id)
+    assert task.status == "failed"
+    assert reason in (task.last_error or "")
+    assert "Traceback" not in proc.text()
+
+
+class _Refusing(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        body = f"invalid key {self.headers['Authorization']}".encode()
+        self.send_response(401)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_secrets_never_reach_logs_events_or_results(
+    db_url: str, queue: TaskQueue, spawn: Spawn, tmp_path: Path
+) -> None:
+    server = HTTPServer(("127.0.0.1", 0), _Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    secret = "sk-live-THIS-MUST-NOT-LEAK-42"
+    config = tmp_path / "agentbus.toml"
+    config.write_text(
+        f'[providers.main]\nkind = "openai"\nbase_url = "http://127.0.0.1:{server.server_port}/v1"'
+        f'\napi_key_env = "MAIN_KEY"\n[models."gpt-x"]\nprovider = "main"\n'
+    )
+    try:
+        (task_id,) = enqueue(queue, "codex", {}, models=("gpt-x",))
+        proc = spawn(
+            "worker",
+            "--agent",
+            "codex",
+            "--db",
+            db_url,
+            "--config",
+            str(config),
+            "--drain",
+            "--log-json",
+            env={"MAIN_KEY": secret},
+        )
+        assert proc.wait() == 0, proc.text()
+    finally:
+        server.shutdown()
+        server.server_close()
+    task = queue.get(task_id)
+    assert task.status == "failed" and "HTTP 401" in (task.last_error or "")
+    stored = json.dumps([task.as_dict(), reads.task_events(queue.db, task_id)])
+    for text in (proc.text(), stored):
+        assert secret not in text
+    assert "credential_refused" in proc.text()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--agent", "codex", "--lease", "-1"], "Invalid value for '--lease'"),
+        (["--agent", "bad name"], "invalid agent name"),
+        (["--agent", "codex", "--db", "postgresql://u:hunter2@127.0.0.1:1/x"], "cannot connect"),
+        (["--agent", "codex", "--bogus"], "No such option"),
+    ],
+)
+def test_worker_bad_input_is_one_line(spawn: Spawn, args: list[str], message: str) -> None:
+    proc = spawn("worker", *args)
+    assert proc.wait() == 2
+    lines = proc.text().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("worker: error: ") and message in lines[0]
+    assert "hunter2" not in lines[0]
+
+
+def test_worker_refuses_an_unknown_agent_and_an_unmigrated_db(
+    spawn: Spawn, tmp_path: Path, empty_db_url: str
+) -> None:
+    config = tmp_path / "agentbus.toml"
+    config.write_text('[agents.codex]\nmodels = ["sim/a"]\n')
+    proc = spawn("worker", "--agent", "ron", "--config", str(config), "--db", empty_db_url)
+    assert proc.wait() == 2 and "unknown agent 'ron'" in proc.text()
+    proc = spawn("worker", "--agent", "codex", "--db", empty_db_url)
+    assert proc.wait() == 2 and "run `busctl migrate`" in proc.text()
