@@ -9,6 +9,10 @@ Workload (per backend):
 - worker processes: 2 real ``worker --drain`` processes run T/2 simulated no-op
   tasks one at a time (claim, call, complete, each its own transaction),
   measured from spawn to exit (start-up included); peak RSS of one worker.
+- sweeper resume pass: N paused tasks (1 % due) inserted directly; one
+  ``jobs.resume`` pass, timed.
+- resume latency: a worker pauses 20 tasks on a 2 s cooldown; a sweeper
+  service resumes them; resume event time minus the pause's resume_after.
 - claim+complete: T no-op tasks are enqueued first; then P worker processes
   (spawned, connected and warmed up before the clock starts) claim and
   complete until the queue is empty. ``batch`` is how many tasks one claim
@@ -44,10 +48,16 @@ from pathlib import Path
 import psycopg
 import sqlalchemy as sa
 
+from shared import reads
+from shared.catalog import Catalog
+from shared.config import Settings
 from shared.cooldowns import CooldownStore
 from shared.db import Database, migrate
+from shared.logging import configure
 from shared.queue import TaskQueue
+from shared.schema import bus_commands
 from shared.tasks import TaskSpec
+from sweeper import jobs
 
 PG_URL = os.environ.get(
     "AGENTBUS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -187,6 +197,115 @@ def bench_workers(url: str, synchronous: str, processes: int, tasks: int) -> lis
     ]
 
 
+def bench_sweeper(url: str, synchronous: str, sizes: list[int]) -> list[tuple[str, str]]:
+    """One resume pass over N paused tasks of which 1 % are due."""
+    rows = []
+    for n in sizes:
+        db = Database(url, sqlite_synchronous=synchronous)
+        now = time.time()
+        agent = f"sweep{n}"
+        paused = [
+            {
+                "agent": agent,
+                "command": "x",
+                "models": ["sim/a"],
+                "status": "paused",
+                "priority": 0,
+                "run_after": now,
+                "attempts": 0,
+                "max_attempts": 3,
+                "claim_token": 1,
+                "pause_count": 1,
+                "resume_count": 0,
+                "reentry_count": 0,
+                "rescue_count": 0,
+                "created_at": now,
+                "updated_at": now,
+                "paused_at": now,
+                "first_paused_at": now,
+                "resume_after": now - 1 if i % 100 == 0 else now + 3600,
+            }
+            for i in range(n)
+        ]
+        for start in range(0, n, 5000):
+            db.write(
+                lambda conn, chunk=paused[start : start + 5000]: conn.execute(
+                    sa.insert(bus_commands), chunk
+                )
+            )
+        sweep = jobs.Sweep(db, Settings(), Catalog())
+        started = time.perf_counter()
+        counts = jobs.resume(sweep)
+        secs = time.perf_counter() - started
+        rows.append(
+            (
+                f"sweeper resume pass, {n:,} paused / {counts['resumed']:,} due",
+                f"{secs * 1000:,.0f} ms",
+            )
+        )
+        db.write(
+            lambda conn, agent=agent: conn.execute(
+                sa.delete(bus_commands).where(bus_commands.c.agent == agent)
+            )
+        )
+        db.dispose()
+    return rows
+
+
+def bench_resume_latency(url: str, synchronous: str, tasks: int = 20) -> list[tuple[str, str]]:
+    """How long after its cooldown ends a paused task is back on the queue.
+
+    A worker pauses ``tasks`` tasks on a 2 s cooldown; a sweeper service (60 s
+    interval, default peek) resumes them; the latency is the resume event's time
+    minus the pause's resume_after, from the event log.
+    """
+    db = Database(url, sqlite_synchronous=synchronous)
+    queue = TaskQueue(db)
+    script = {"simulate": {"sim/lat": {"behaviour": "rate_limited", "for_s": 1.0}}}
+    ids = queue.enqueue_many(
+        [
+            TaskSpec(agent="latency", command=str(i), models=("sim/lat",), payload=script)
+            for i in range(tasks)
+        ]
+    )
+    env = {
+        **os.environ,
+        "AGENTBUS_DATABASE_URL": url,
+        "AGENTBUS_MODEL_COOLDOWN_SEC": "2",
+        "AGENTBUS_POLL_SEC": "0.1",
+        "AGENTBUS_SQLITE_SYNCHRONOUS": synchronous,
+    }
+    bindir = Path(sys.executable).parent
+    procs = [
+        subprocess.Popen(
+            [str(bindir / "worker"), "--agent", "latency"], env=env, stderr=subprocess.DEVNULL
+        ),
+        subprocess.Popen(
+            [str(bindir / "sweeper"), "--interval", "60"], env=env, stderr=subprocess.DEVNULL
+        ),
+    ]
+    deadline = time.time() + 60
+    while time.time() < deadline and any(queue.get(i).status != "done" for i in ids):
+        time.sleep(0.2)
+    for p in procs:
+        p.terminate()
+        p.wait()
+    lags = []
+    for task_id in ids:
+        log = reads.task_events(db, task_id)
+        pause = next(e for e in log if e["to_status"] == "paused")
+        resume = next(e for e in log if e["reason"] == "resume")
+        lags.append(resume["at"] - pause["detail"]["resume_after"])
+    db.dispose()
+    lags.sort()
+    return [
+        (
+            "resume latency after cooldown end, median / max",
+            f"{lags[len(lags) // 2] * 1000:,.0f} / {lags[-1] * 1000:,.0f} ms",
+        )
+    ]
+
+
 def _rss_kib(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as fh:
@@ -204,6 +323,8 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     rows += bench_cooldowns(db)
     db.dispose()
     rows += bench_workers(url, args.sqlite_synchronous, 2, args.tasks // 2)
+    rows += bench_sweeper(url, args.sqlite_synchronous, [int(n) for n in args.paused.split(",")])
+    rows += bench_resume_latency(url, args.sqlite_synchronous)
     for batch in (int(b) for b in args.batches.split(",")):
         for procs in (int(p) for p in args.processes.split(",")):
             rate = throughput(url, args.sqlite_synchronous, procs, batch, args.tasks)
@@ -218,8 +339,10 @@ def main() -> None:
     parser.add_argument("--single", type=int, default=2_000, help="single enqueues")
     parser.add_argument("--processes", default="1,2,4")
     parser.add_argument("--batches", default="1,10", help="claim batch sizes")
+    parser.add_argument("--paused", default="10000,100000", help="paused tasks per sweep pass")
     parser.add_argument("--sqlite-synchronous", default="FULL")
     args = parser.parse_args()
+    configure(level="WARNING")  # the figures, not the jobs' chatter
 
     rows: list[tuple[str, str, str]] = []
     for backend in args.backends.split(","):

@@ -82,6 +82,29 @@ class Settings:
         "On SIGTERM, how long a running call may finish before its task is released.", 30.0
     )
     poll_sec: float = _doc("How long an idle worker waits before looking for work again.", 1.0)
+    sweep_interval_sec: float = _doc("How often the sweeper runs all of its jobs.", 60.0)
+    sweep_peek_sec: float = _doc(
+        "How often the sweeper looks for the earliest pending resume_after (cheap).", 2.0
+    )
+    sweep_batch: int = _doc("Rows the sweeper changes per transaction.", 500)
+    demote_after_sec: float = _doc(
+        "A task paused this long (from the first pause of its episode) is failed.", 172800.0
+    )
+    reentry_limit: int = _doc(
+        "Re-entries into the same model's cooldown after which resumes are held apart.", 3
+    )
+    reentry_hold_sec: float = _doc("The least time between such a task's pause and resume.", 300.0)
+    rescue_limit: int = _doc("Rescues of an expired lease after which a task fails (poison).", 3)
+    worker_stale_sec: float = _doc(
+        "A worker row without a heartbeat this long is pruned (after its tasks are rescued).", 600.0
+    )
+    done_retention_sec: float = _doc(
+        "Done tasks and their events are deleted after this long (0 keeps them).", 604800.0
+    )
+    failed_retention_sec: float = _doc(
+        "Failed and errored tasks and their events are deleted after this long (0 keeps them).",
+        2592000.0,
+    )
 
     @classmethod
     def fields_doc(cls) -> dict[str, str]:
@@ -138,6 +161,12 @@ class Settings:
                 raise ConfigError(f"setting {name} must be positive, got {getattr(self, name)}")
         if self.call_retries < 0:
             raise ConfigError("setting call_retries must not be negative")
+        for name in ("sweep_batch", "reentry_limit", "rescue_limit"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"setting {name} must be at least 1")
+        for name in ("done_retention_sec", "failed_retention_sec"):
+            if not getattr(self, name) >= 0 or not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"setting {name} must be 0 (keep) or a positive number")
         self.backoff_steps()  # parses, or raises ConfigError
         if self.max_attempts < 1:
             raise ConfigError(f"setting max_attempts must be at least 1, got {self.max_attempts}")
@@ -185,6 +214,11 @@ POSITIVE = (
     "call_timeout_sec",
     "grace_sec",
     "poll_sec",
+    "sweep_interval_sec",
+    "sweep_peek_sec",
+    "demote_after_sec",
+    "reentry_hold_sec",
+    "worker_stale_sec",
 )
 #: Tables of the config file that are not settings (see shared.catalog).
 SECTIONS = ("providers", "models", "roles", "agents")

@@ -52,6 +52,7 @@ bus_commands = sa.Table(
     sa.Column("last_error", sa.Text),
     sa.Column("created_at", Epoch),
     sa.Column("updated_at", Epoch),
+    sa.Column("paused_at", Epoch),
     sa.CheckConstraint(STATUS_CHECK, name="ck_bus_commands_status"),
     sa.UniqueConstraint("idempotency_key", name="uq_bus_commands_idempotency_key"),
     sqlite_autoincrement=True,

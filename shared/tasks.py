@@ -128,6 +128,7 @@ class Task:
     lease_until: float | None
     resume_after: float | None
     first_paused_at: float | None
+    paused_at: float | None
     pause_reason: str | None
     pause_model: str | None
     pause_count: int
@@ -162,6 +163,7 @@ class Task:
             lease_until=row["lease_until"],
             resume_after=row["resume_after"],
             first_paused_at=row["first_paused_at"],
+            paused_at=row["paused_at"],
             pause_reason=row["pause_reason"],
             pause_model=row["pause_model"],
             pause_count=row["pause_count"],

@@ -64,6 +64,7 @@ _CLAIMED_CHANGES: dict[str, Mapping[str, Any]] = {
         "pause_model": _p("p_model"),
         "pause_count": t.c.pause_count + 1,
         "first_paused_at": sa.func.coalesce(t.c.first_paused_at, P_NOW),
+        "paused_at": P_NOW,
         "reentry_count": sa.case(
             (
                 sa.and_(t.c.resume_count > 0, t.c.pause_model == _p("p_model")),
@@ -111,6 +112,12 @@ HEARTBEAT = (
     sa.update(t)
     .where(t.c.id == P_ID, t.c.status == "claimed", t.c.claim_token == P_TOKEN)
     .values(lease_until=P_LEASE)
+)
+
+POSTPONE = (
+    sa.update(t)
+    .where(t.c.id == P_ID, t.c.status == "paused")
+    .values(resume_after=_p("p_resume_after", sa.Float), pause_reason=_p("p_reason"))
 )
 
 _IDS: Any = sa.bindparam("p_ids", expanding=True)

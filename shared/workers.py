@@ -71,3 +71,12 @@ class WorkerRegistry:
 
     def remove(self) -> None:
         self.db.write(lambda conn: conn.execute(sa.delete(w).where(w.c.id == self.id)))
+
+
+def prune_stale(db: Database, older_than: float) -> int:
+    """Delete the rows of workers silent since ``older_than`` (run after rescuing tasks)."""
+    return int(
+        db.write(
+            lambda conn: conn.execute(sa.delete(w).where(w.c.heartbeat_at < older_than)).rowcount
+        )
+    )

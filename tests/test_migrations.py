@@ -168,7 +168,7 @@ def test_busctl_migrate_adopts_a_legacy_sqlite_file(tmp_path: object, run_busctl
     db.dispose()
     result = run_busctl("--db", f"sqlite:///{path}", "migrate")  # type: ignore[operator]
     assert result.returncode == 0, result.stderr
-    assert "to 0002" in result.stdout
+    assert f"to {head_revision()}" in result.stdout
     shown = run_busctl("--db", f"sqlite:///{path}", "show", "2", "--json")  # type: ignore[operator]
     task = json.loads(shown.stdout)["task"]
     assert (task["status"], task["result_note"]) == (

@@ -116,7 +116,7 @@ def make_machine(queue: TaskQueue, clock: FakeClock) -> type[RuleBasedStateMachi
 
         @rule()
         def demote(self) -> None:
-            moved = queue.demote([self.task_id], "paused 48h")
+            moved = queue.demote({self.task_id: self.agent}, "paused 48h")
             assert (moved == [self.task_id]) == (self.status is S.PAUSED)
             if moved:
                 self.status = S.FAILED

@@ -16,24 +16,23 @@ an old token and none of its writes can land.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from shared import events, reads
-from shared.db import Database
 from shared.errors import TaskNotFound, TransitionRejected
+from shared.queue.base import Clock
+from shared.queue.sweeps import SweepOps
 from shared.schema import bus_commands as t
 from shared.states import TRANSITIONS, TaskStatus
 from shared.tasks import Task, TaskSpec
-from shared.transitions import COMPLETE_MANY_POSTGRES, HEARTBEAT, MOVE_MANY, SETTLE, claim_statement
+from shared.transitions import COMPLETE_MANY_POSTGRES, HEARTBEAT, SETTLE
 
-Clock = Callable[[], float]
+__all__ = ["Clock", "Enqueued", "TaskQueue"]
 
 
 @dataclass(frozen=True)
@@ -42,18 +41,8 @@ class Enqueued:
     created: bool  # False: the idempotency key named an existing task
 
 
-class TaskQueue:
+class TaskQueue(SweepOps):
     """Queue operations over one database, with an injectable clock."""
-
-    def __init__(self, db: Database, *, clock: Clock = time.time, max_attempts: int = 3) -> None:
-        self.db = db
-        self.clock = clock
-        self.max_attempts = max_attempts
-        self._claim = claim_statement(db.dialect)
-        dialect_insert = postgresql.insert if db.dialect == "postgresql" else sqlite.insert
-        self._insert_keyed = (
-            dialect_insert(t).on_conflict_do_nothing(index_elements=["idempotency_key"])
-        ).returning(t.c.id)
 
     # -- producers -----------------------------------------------------------
 
@@ -303,39 +292,6 @@ class TaskQueue:
             detail={"error": error, "run_after": run_after},
         )
 
-    # -- the sweeper ---------------------------------------------------------
-
-    def rescue(
-        self, task_id: int, token: int, *, poison: str | None = None, by: str = "sweeper"
-    ) -> None:
-        """A claim whose lease expired: back to queued, or failed when ``poison`` says why.
-
-        Guarded by the token and by the lease having expired, so a worker that
-        heartbeats in time keeps its task.
-        """
-        if poison is None:
-            self._settle("rescue", task_id, token, by, "lease expired", {})
-        else:
-            self._settle(
-                "rescue_fail",
-                task_id,
-                token,
-                by,
-                "poison pill",
-                {"p_error": poison},
-                detail={"poison": poison},
-            )
-
-    def resume(self, task_ids: Sequence[int], *, by: str = "sweeper") -> list[int]:
-        """Paused -> queued; returns the ids that were still paused and moved."""
-        return self._move_many("resume", task_ids, by, "resume", {})
-
-    def demote(self, task_ids: Sequence[int], reason: str, *, by: str = "sweeper") -> list[int]:
-        """Paused -> failed (paused too long); returns the ids that moved."""
-        return self._move_many(
-            "demote", task_ids, by, "demoted", {"p_error": reason}, detail={"why": reason}
-        )
-
     # -- operators -----------------------------------------------------------
 
     def retry(self, task_id: int, *, by: str | None = "operator") -> None:
@@ -376,93 +332,3 @@ class TaskQueue:
     def get(self, task_id: int) -> Task:
         """The task as stored now (raises TaskNotFound)."""
         return reads.get_task(self.db, task_id)
-
-    # -- the guarded writes --------------------------------------------------
-
-    def _settle(
-        self,
-        action: str,
-        task_id: int,
-        token: int,
-        worker: str | None,
-        reason: str,
-        params: Mapping[str, Any],
-        *,
-        detail: Mapping[str, Any] | None = None,
-    ) -> None:
-        (source,), target = TRANSITIONS[action]
-
-        def work(conn: Connection) -> None:
-            now = self.clock()
-            full = {"p_id": task_id, "p_token": token, "p_now": now, **params}
-            if conn.execute(SETTLE[action], full).rowcount != 1:
-                lease_checked = now if action.startswith("rescue") else None
-                self._reject(conn, task_id, action, token, lease_checked)
-            events.record(
-                conn,
-                [
-                    events.event(
-                        task_id,
-                        source.value,
-                        target.value,
-                        now,
-                        reason=reason,
-                        worker=worker,
-                        claim_token=token,
-                        detail=detail,
-                    )
-                ],
-            )
-
-        self.db.write(work)
-
-    def _move_many(
-        self,
-        action: str,
-        task_ids: Sequence[int],
-        by: str,
-        reason: str,
-        params: Mapping[str, Any],
-        *,
-        detail: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        (source,), target = TRANSITIONS[action]
-
-        def work(conn: Connection) -> list[int]:
-            now = self.clock()
-            full = {"p_ids": list(task_ids), "p_now": now, **params}
-            moved = sorted(int(i) for i in conn.execute(MOVE_MANY[action], full).scalars())
-            events.record(
-                conn,
-                [
-                    events.event(
-                        i, source.value, target.value, now, reason=reason, worker=by, detail=detail
-                    )
-                    for i in moved
-                ],
-            )
-            return moved
-
-        return self.db.write(work) if task_ids else []
-
-    @staticmethod
-    def _reject(
-        conn: Connection,
-        task_id: int,
-        action: str,
-        token: int | None,
-        lease_checked_at: float | None = None,
-    ) -> None:
-        row = conn.execute(
-            sa.select(t.c.status, t.c.claim_token, t.c.lease_until).where(t.c.id == task_id)
-        ).first()
-        sources, _ = TRANSITIONS.get(action, (frozenset({TaskStatus.CLAIMED}), None))
-        expected = " or ".join(sorted(s.value for s in sources))
-        if row is None:
-            raise TransitionRejected(task_id, action, expected, None, token)
-        actual = row.status
-        if token is not None and row.status == "claimed" and row.claim_token != token:
-            actual = f"claimed under token {row.claim_token}"
-        elif lease_checked_at is not None and row.status == "claimed":
-            actual = f"claimed with {(row.lease_until or 0) - lease_checked_at:.1f}s of lease left"
-        raise TransitionRejected(task_id, action, expected, actual, token)

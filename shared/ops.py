@@ -1,0 +1,33 @@
+"""``ops_todos``: work for a person (a demoted task to look at), one row per (kind, task).
+
+Rows are added in the transaction of the change that calls for them, with
+ON CONFLICT DO NOTHING on (kind, task_id): two sweepers never file one twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
+
+from shared.schema import ops_todos
+
+
+def add(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+    """Insert todos (kind, task_id, agent, why, created_at); existing ones stay as they are."""
+    if not rows:
+        return
+    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    conn.execute(
+        insert(ops_todos).on_conflict_do_nothing(index_elements=["kind", "task_id"]), list(rows)
+    )
+
+
+def open_todos(conn: Connection) -> list[dict[str, Any]]:
+    rows = conn.execute(
+        sa.select(ops_todos).where(ops_todos.c.resolved_at.is_(None)).order_by(ops_todos.c.id)
+    )
+    return [dict(r._mapping) for r in rows]

@@ -1,0 +1,126 @@
+"""The guarded write every transition goes through, and the queue's state."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
+
+from shared import events
+from shared.db import Database
+from shared.errors import TransitionRejected
+from shared.schema import bus_commands as t
+from shared.states import TRANSITIONS, TaskStatus
+from shared.transitions import MOVE_MANY, SETTLE, claim_statement
+
+Clock = Callable[[], float]
+
+
+class QueueBase:
+    def __init__(self, db: Database, *, clock: Clock = time.time, max_attempts: int = 3) -> None:
+        self.db = db
+        self.clock = clock
+        self.max_attempts = max_attempts
+        self._claim = claim_statement(db.dialect)
+        dialect_insert = postgresql.insert if db.dialect == "postgresql" else sqlite.insert
+        self._insert_keyed = (
+            dialect_insert(t).on_conflict_do_nothing(index_elements=["idempotency_key"])
+        ).returning(t.c.id)
+
+    # -- the guarded writes --------------------------------------------------
+
+    def _settle(
+        self,
+        action: str,
+        task_id: int,
+        token: int,
+        worker: str | None,
+        reason: str,
+        params: Mapping[str, Any],
+        *,
+        detail: Mapping[str, Any] | None = None,
+    ) -> None:
+        (source,), target = TRANSITIONS[action]
+
+        def work(conn: Connection) -> None:
+            now = self.clock()
+            full = {"p_id": task_id, "p_token": token, "p_now": now, **params}
+            if conn.execute(SETTLE[action], full).rowcount != 1:
+                lease_checked = now if action.startswith("rescue") else None
+                self._reject(conn, task_id, action, token, lease_checked)
+            events.record(
+                conn,
+                [
+                    events.event(
+                        task_id,
+                        source.value,
+                        target.value,
+                        now,
+                        reason=reason,
+                        worker=worker,
+                        claim_token=token,
+                        detail=detail,
+                    )
+                ],
+            )
+
+        self.db.write(work)
+
+    def _move_many(
+        self,
+        action: str,
+        task_ids: Sequence[int],
+        by: str,
+        reason: str,
+        params: Mapping[str, Any],
+        *,
+        detail: Mapping[str, Any] | None = None,
+        also: Callable[[Connection, list[int], float], None] | None = None,
+    ) -> list[int]:
+        """Move many tasks with one guarded UPDATE; ``also`` writes more in the same transaction."""
+        (source,), target = TRANSITIONS[action]
+
+        def work(conn: Connection) -> list[int]:
+            now = self.clock()
+            full = {"p_ids": list(task_ids), "p_now": now, **params}
+            moved = sorted(int(i) for i in conn.execute(MOVE_MANY[action], full).scalars())
+            events.record(
+                conn,
+                [
+                    events.event(
+                        i, source.value, target.value, now, reason=reason, worker=by, detail=detail
+                    )
+                    for i in moved
+                ],
+            )
+            if also is not None:
+                also(conn, moved, now)
+            return moved
+
+        return self.db.write(work) if task_ids else []
+
+    @staticmethod
+    def _reject(
+        conn: Connection,
+        task_id: int,
+        action: str,
+        token: int | None,
+        lease_checked_at: float | None = None,
+    ) -> None:
+        row = conn.execute(
+            sa.select(t.c.status, t.c.claim_token, t.c.lease_until).where(t.c.id == task_id)
+        ).first()
+        sources, _ = TRANSITIONS.get(action, (frozenset({TaskStatus.CLAIMED}), None))
+        expected = " or ".join(sorted(s.value for s in sources))
+        if row is None:
+            raise TransitionRejected(task_id, action, expected, None, token)
+        actual = row.status
+        if token is not None and row.status == "claimed" and row.claim_token != token:
+            actual = f"claimed under token {row.claim_token}"
+        elif lease_checked_at is not None and row.status == "claimed":
+            actual = f"claimed with {(row.lease_until or 0) - lease_checked_at:.1f}s of lease left"
+        raise TransitionRejected(task_id, action, expected, actual, token)

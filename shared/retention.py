@@ -1,0 +1,64 @@
+"""Retention: finished tasks and their events are deleted once old enough.
+
+Done tasks go after ``done_retention_sec`` (7 days); failed and errored ones
+after ``failed_retention_sec`` (30 days) so operators can still retry them.
+0 keeps them forever. Deletes go in batches so no transaction grows large.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from shared.db import Database
+from shared.schema import bus_commands as t
+from shared.schema import task_events as ev
+
+
+def prune(
+    db: Database,
+    now: float,
+    *,
+    done_sec: float,
+    failed_sec: float,
+    batch: int,
+    max_batches: int = 100,
+) -> int:
+    """Delete old finished tasks (and their events); returns how many tasks went."""
+    total = 0
+    for statuses, keep in ((("done",), done_sec), (("failed", "error"), failed_sec)):
+        if keep <= 0:
+            continue
+        cutoff = now - keep
+        for _ in range(max_batches):
+            gone = db.write(_delete_batch(statuses, cutoff, batch))
+            total += gone
+            if gone < batch:
+                break
+    return total
+
+
+def _delete_batch(
+    statuses: tuple[str, ...], cutoff: float, batch: int
+) -> Callable[[Connection], int]:
+    def work(conn: Connection) -> int:
+        ids = (
+            conn.execute(
+                sa.select(t.c.id)
+                .where(t.c.status.in_(statuses), t.c.updated_at < cutoff)
+                .limit(batch)
+            )
+            .scalars()
+            .all()
+        )
+        if not ids:
+            return 0
+        conn.execute(sa.delete(ev).where(ev.c.task_id.in_(ids)))
+        # Guarded like every write: a task retried meanwhile is no longer finished.
+        return int(
+            conn.execute(sa.delete(t).where(t.c.id.in_(ids), t.c.status.in_(statuses))).rowcount
+        )
+
+    return work

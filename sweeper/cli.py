@@ -1,0 +1,62 @@
+"""``sweeper``: the service that resumes pauses, rescues orphans and keeps tables tidy."""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+import click
+
+from shared import cli
+from shared.config import load_config
+from shared.db import Database
+from shared.logging import configure
+from sweeper import jobs
+from sweeper.service import SweeperService, run_once
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@cli.db_option
+@cli.config_option
+@click.option(
+    "--interval",
+    "interval_sec",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="Seconds between full passes [setting sweep_interval_sec, 60].",
+)
+@click.option("--once", is_flag=True, help="Run every job one time and exit.")
+@click.option("--log-json", is_flag=True, help="Log JSON lines (default: readable lines).")
+def sweeper(
+    db_url: str | None,
+    config_file: str | None,
+    interval_sec: float | None,
+    once: bool,
+    log_json: bool,
+) -> None:
+    """Resume due pauses, rescue expired claims, demote 48 h pauses, purge cooldowns."""
+    configure(json=log_json)
+    config = load_config(config_file, {"database_url": db_url, "sweep_interval_sec": interval_sec})
+    db = Database.from_settings(config.settings)
+    try:
+        db.require_migrated()
+        sweep = jobs.Sweep(db, config.settings, config.catalog)
+        if once:
+            run_once(sweep)
+            return
+        service = SweeperService(
+            sweep, interval=config.settings.sweep_interval_sec, peek=config.settings.sweep_peek_sec
+        )
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            service.stop()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        service.run()
+    finally:
+        db.dispose()
+
+
+def main() -> None:
+    cli.run(sweeper, "sweeper")

@@ -1,0 +1,210 @@
+"""The sweeper's jobs: plain functions of a ``Sweep`` context that return counts.
+
+Each job reads the rows it needs through an index (due pauses by
+``resume_after``, expired claims by ``lease_until``) and changes them in
+batches through ``shared.queue``, whose guarded writes make two sweepers
+running at once harmless. Rescue runs before stale worker rows are pruned.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from shared import retention
+from shared import workers as worker_rows
+from shared.catalog import Catalog
+from shared.config import Settings
+from shared.cooldowns import CooldownStore
+from shared.db import Database
+from shared.errors import ConfigError
+from shared.logging import get_logger
+from shared.queue import TaskQueue
+from shared.schema import bus_commands as t
+from sweeper.policy import DueTask, plan_resume
+from worker.policy import ALL_COOLING
+
+log = get_logger("agentbus.sweeper")
+MAX_ROUNDS = 1000  # batches per pass: a bound, far above what one pass meets
+
+
+@dataclass
+class Sweep:
+    db: Database
+    settings: Settings
+    catalog: Catalog
+    clock: Callable[[], float] = time.time
+    queue: TaskQueue = field(init=False)
+    cooldowns: CooldownStore = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.queue = TaskQueue(self.db, clock=self.clock, max_attempts=self.settings.max_attempts)
+        # The sweeper decides from the table itself, never from a cache.
+        self.cooldowns = CooldownStore(
+            self.db, clock=self.clock, cache_sec=1e-9, slow_read_ms=float("inf")
+        )
+
+
+def resume(s: Sweep) -> dict[str, int]:
+    """Re-queue due pauses that have a usable model; move the others' resume time."""
+    counts = {"resumed": 0, "postponed": 0, "held": 0}
+    batch = s.settings.sweep_batch
+    for _ in range(MAX_ROUNDS):
+        due_query = (
+            sa.select(
+                t.c.id,
+                t.c.agent,
+                t.c.models,
+                t.c.role,
+                t.c.resume_after,
+                t.c.paused_at,
+                t.c.pause_model,
+                t.c.reentry_count,
+            )
+            .where(t.c.status == "paused", t.c.resume_after <= s.clock())
+            .order_by(t.c.resume_after)
+            .limit(batch)
+        )
+        rows = s.db.read(_rows(due_query))
+        if not rows:
+            break
+        due = [
+            DueTask(
+                r.id,
+                r.agent,
+                _chain(s.catalog, r),
+                r.resume_after,
+                r.paused_at,
+                r.pause_model,
+                r.reentry_count,
+            )
+            for r in rows
+        ]
+        plan = plan_resume(
+            due,
+            s.cooldowns.active(),
+            reentry_limit=s.settings.reentry_limit,
+            reentry_hold_sec=s.settings.reentry_hold_sec,
+        )
+        agents = {d.id: d for d in due}
+        for task_id in s.queue.resume(plan.resume):
+            log.info(
+                f"[cooldown-resume] task_id={task_id} agent={agents[task_id].agent} → re-queued"
+            )
+            counts["resumed"] += 1
+        counts["postponed"] += len(s.queue.postpone(plan.postpone, ALL_COOLING))
+        for task_id, until in plan.hold.items():
+            task = agents[task_id]
+            why = (
+                f"re-entered the cooldown of {task.pause_model} {task.reentry_count} times "
+                f"in a row: resume held until {_iso(until)}"
+            )
+            if s.queue.postpone({task_id: until}, why):
+                log.warning(
+                    f"[reentry-hold] task_id={task_id} agent={task.agent} "
+                    f"model={task.pause_model} reentries={task.reentry_count} "
+                    f"→ resume at {_iso(until)}"
+                )
+                counts["held"] += 1
+        if len(rows) < batch:
+            break
+    return counts
+
+
+def _chain(catalog: Catalog, row: sa.Row[tuple[object, ...]]) -> tuple[str, ...] | None:
+    models = row.models if isinstance(row.models, list) else None
+    try:
+        return catalog.chain_for(
+            models=tuple(models) if models else None, role=row.role, agent=row.agent
+        )
+    except ConfigError:
+        return None
+
+
+def next_wake(s: Sweep) -> float | None:
+    """The earliest pending resume_after (an index lookup), or None when nothing is paused."""
+    value = s.db.read(
+        lambda conn: conn.execute(
+            sa.select(sa.func.min(t.c.resume_after)).where(t.c.status == "paused")
+        ).scalar()
+    )
+    return float(value) if value is not None else None
+
+
+def purge(s: Sweep) -> dict[str, int]:
+    """Delete cooldowns that have ended."""
+    return {"purged": s.cooldowns.purge_expired()}
+
+
+def demote(s: Sweep) -> dict[str, int]:
+    """Fail tasks paused longer than ``demote_after_sec`` since their episode began."""
+    hours = s.settings.demote_after_sec / 3600
+    total = 0
+    for _ in range(MAX_ROUNDS):
+        cutoff = s.clock() - s.settings.demote_after_sec
+        old_pauses = (
+            sa.select(t.c.id, t.c.agent, t.c.first_paused_at)
+            .where(t.c.status == "paused", t.c.first_paused_at <= cutoff)
+            .limit(s.settings.sweep_batch)
+        )
+        rows = s.db.read(_rows(old_pauses))
+        if not rows:
+            break
+        why = f"paused for more than {hours:g} h with no usable model"
+        moved = s.queue.demote({r.id: r.agent for r in rows}, why)
+        for task_id in moved:
+            log.warning("task_demoted", task_id=task_id, why=why)
+        total += len(moved)
+        if len(rows) < s.settings.sweep_batch:
+            break
+    return {"demoted": total}
+
+
+def rescue(s: Sweep) -> dict[str, int]:
+    """Re-queue claims whose lease expired (poison pills fail), then prune silent workers."""
+    requeued = poisoned = 0
+    for _ in range(MAX_ROUNDS):
+        out = s.queue.rescue_expired(
+            limit=s.settings.sweep_batch, rescue_limit=s.settings.rescue_limit
+        )
+        for task_id in out.requeued:
+            log.warning("task_rescued", task_id=task_id)
+        for task_id in out.poisoned:
+            log.error("task_poisoned", task_id=task_id)
+        requeued += len(out.requeued)
+        poisoned += len(out.poisoned)
+        if len(out.requeued) + len(out.poisoned) < s.settings.sweep_batch:
+            break
+    stale = worker_rows.prune_stale(s.db, s.clock() - s.settings.worker_stale_sec)
+    return {"rescued": requeued, "poisoned": poisoned, "workers_pruned": stale}
+
+
+def prune(s: Sweep) -> dict[str, int]:
+    """Delete finished tasks past their retention, with their events."""
+    gone = retention.prune(
+        s.db,
+        s.clock(),
+        done_sec=s.settings.done_retention_sec,
+        failed_sec=s.settings.failed_retention_sec,
+        batch=s.settings.sweep_batch,
+    )
+    return {"pruned": gone}
+
+
+#: The order of a full pass: rescue before pruning workers (inside ``rescue``),
+#: resume before demote (a task due now is resumed, not failed).
+ALL = (rescue, resume, demote, purge, prune)
+
+
+def _rows(query: sa.Select[Any]) -> Callable[[Connection], Sequence[sa.Row[Any]]]:
+    return lambda conn: conn.execute(query).all()
+
+
+def _iso(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

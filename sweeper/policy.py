@@ -1,0 +1,56 @@
+"""Which due paused tasks go back to the queue, decided from plain values."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DueTask:
+    id: int
+    agent: str
+    chain: tuple[str, ...] | None  # None: the chain cannot be resolved (the worker fails it)
+    resume_after: float
+    paused_at: float | None
+    pause_model: str | None
+    reentry_count: int
+
+
+@dataclass
+class ResumePlan:
+    resume: list[int] = field(default_factory=list)
+    postpone: dict[int, float] = field(default_factory=dict)  # every model still cooling
+    hold: dict[int, float] = field(default_factory=dict)  # re-entry rule: spaced out
+
+
+def plan_resume(
+    due: Sequence[DueTask],
+    cooling: Mapping[str, float],
+    *,
+    reentry_limit: int,
+    reentry_hold_sec: float,
+) -> ResumePlan:
+    """Resume a due task if some model of its chain is out of cooldown.
+
+    A task whose models are all still cooling gets the earliest expiry as its
+    new resume time (no busy loop). A task that re-entered the cooldown of the
+    same model ``reentry_limit`` times in a row stays paused until
+    ``reentry_hold_sec`` after its latest pause.
+    """
+    plan = ResumePlan()
+    for task in due:
+        if task.reentry_count >= reentry_limit and task.paused_at is not None:
+            hold_until = task.paused_at + reentry_hold_sec
+            if task.resume_after < hold_until:
+                plan.hold[task.id] = hold_until
+                continue
+        if task.chain is None:
+            plan.resume.append(task.id)
+            continue
+        still = [cooling[m] for m in task.chain if m in cooling]
+        if task.chain and len(still) == len(task.chain):
+            plan.postpone[task.id] = min(still)
+        else:
+            plan.resume.append(task.id)
+    return plan

@@ -1,0 +1,116 @@
+"""The sweeper as an APScheduler (3.x) service.
+
+Every ``interval`` a full pass runs every job (rescue, resume, demote, purge,
+prune). Between passes a cheap "peek" (the earliest pending ``resume_after``,
+one index lookup) keeps a one-off "wake" job scheduled at that moment, so a
+paused task resumes within moments of its cooldown ending rather than at the
+next full pass. One worker thread runs the jobs, so they never overlap;
+misfires are coalesced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.jobstores.base import JobLookupError
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.date import DateTrigger
+from apscheduler.triggers.interval import IntervalTrigger
+
+from shared.logging import get_logger
+from sweeper import jobs
+
+log = get_logger("agentbus.sweeper")
+
+
+def run_once(sweep: jobs.Sweep) -> dict[str, int]:
+    """Run every job one time, in order (``sweeper --once``, cron, tests)."""
+    counts: dict[str, int] = {}
+    for job in jobs.ALL:
+        counts.update(job(sweep))
+    log.info("sweep_pass", **counts)
+    return counts
+
+
+class SweeperService:
+    def __init__(self, sweep: jobs.Sweep, *, interval: float, peek: float) -> None:
+        self.sweep = sweep
+        self.interval = interval
+        self.peek = peek
+        self.stopped = threading.Event()
+        self._wake_at: float | None = None
+        self.scheduler = BackgroundScheduler(
+            executors={"default": ThreadPoolExecutor(1)},
+            job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
+            timezone=UTC,
+        )
+
+    def run(self) -> None:
+        """Run until ``stop()`` (a signal handler calls it)."""
+        now = datetime.now(UTC)
+        self.scheduler.add_job(
+            self._guard(self._full_pass),
+            IntervalTrigger(seconds=self.interval, timezone=UTC),
+            id="pass",
+            next_run_time=now,
+        )
+        self.scheduler.add_job(
+            self._guard(self._peek), IntervalTrigger(seconds=self.peek, timezone=UTC), id="peek"
+        )
+        self.scheduler.start()
+        log.info("sweeper_started", interval=self.interval, peek=self.peek)
+        self.stopped.wait()
+        self.scheduler.shutdown(wait=True)
+        log.info("sweeper_stopped")
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _full_pass(self) -> None:
+        run_once(self.sweep)
+        self._schedule_wake()
+
+    def _peek(self) -> None:
+        self._schedule_wake()
+
+    def _wake(self) -> None:
+        self._wake_at = None
+        counts = jobs.resume(self.sweep)
+        if any(counts.values()):
+            log.info("wake_pass", **counts)
+        self._schedule_wake()
+
+    def _schedule_wake(self) -> None:
+        """Keep the one-off wake job at the earliest pending resume_after."""
+        when = jobs.next_wake(self.sweep)
+        if when == self._wake_at:
+            return
+        if when is None:
+            with contextlib.suppress(JobLookupError):
+                self.scheduler.remove_job("wake")
+        else:
+            run_at = datetime.fromtimestamp(max(when, time.time()), UTC)
+            self.scheduler.add_job(
+                self._guard(self._wake),
+                DateTrigger(run_at, timezone=UTC),
+                id="wake",
+                replace_existing=True,
+            )
+        self._wake_at = when
+
+    def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Log and carry on: one failed pass must not stop the service."""
+
+        def guarded() -> None:
+            try:
+                fn()
+            except Exception:
+                log.exception("sweep_job_failed", job=fn.__name__)
+
+        guarded.__name__ = fn.__name__
+        return guarded

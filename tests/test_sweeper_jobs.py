@@ -1,0 +1,219 @@
+"""Each sweeper job with an injected clock, on SQLite and Postgres."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+from structlog.testing import capture_logs
+
+from shared import reads
+from shared import workers as worker_rows
+from shared.catalog import Catalog
+from shared.config import Settings
+from shared.db import Database
+from shared.errors import TransitionRejected
+from shared.schema import model_cooldown, ops_todos, task_events, workers
+from shared.tasks import TaskSpec
+from sweeper import jobs
+from sweeper.policy import DueTask, plan_resume
+from tests.support import FakeClock
+
+HOUR = 3600.0
+
+
+@pytest.fixture
+def sweep(db: Database, clock: FakeClock) -> jobs.Sweep:
+    return jobs.Sweep(db, Settings(), Catalog(), clock=clock)
+
+
+def paused_task(
+    s: jobs.Sweep,
+    in_sec: float,
+    models: tuple[str, ...] = ("sim/a", "sim/b"),
+    model: str = "sim/a",
+    agent: str = "codex",
+) -> int:
+    task_id = s.queue.enqueue(TaskSpec(agent=agent, command="x", models=models)).id
+    (task,) = s.queue.claim(agent, "w", 30)
+    assert task.id == task_id
+    s.queue.pause(task.id, task.claim_token, s.clock() + in_sec, "cooldown", model=model)
+    return task_id
+
+
+def test_only_due_pauses_are_resumed(sweep: jobs.Sweep, clock: FakeClock) -> None:
+    due = paused_task(sweep, 10)
+    later = paused_task(sweep, 100)
+    clock.advance(10)
+    with capture_logs() as logs:
+        assert jobs.resume(sweep) == {"resumed": 1, "postponed": 0, "held": 0}
+    assert [e["event"] for e in logs] == [
+        f"[cooldown-resume] task_id={due} agent=codex → re-queued"
+    ]
+    task = sweep.queue.get(due)
+    assert (task.status, task.resume_after, task.resume_count, task.updated_at) == (
+        "queued",
+        None,
+        1,
+        clock.now,
+    )
+    assert reads.task_events(sweep.db, due)[-1]["reason"] == "resume"
+    assert sweep.queue.get(later).status == "paused"
+    assert jobs.next_wake(sweep) == sweep.queue.get(later).resume_after
+    assert [t.id for t in sweep.queue.claim("codex", "w", 30)] == [due]
+
+
+def test_due_task_whose_models_still_cool_moves_to_the_earliest_expiry(
+    sweep: jobs.Sweep, clock: FakeClock
+) -> None:
+    task_id = paused_task(sweep, 10)
+    sweep.cooldowns.set("sim/a", clock.now + 50, reason="429")
+    sweep.cooldowns.set("sim/b", clock.now + 30, reason="429")
+    clock.advance(10)
+    assert jobs.resume(sweep)["postponed"] == 1
+    task = sweep.queue.get(task_id)
+    assert (task.status, task.resume_after) == ("paused", clock.now + 20)
+    assert jobs.resume(sweep) == {"resumed": 0, "postponed": 0, "held": 0}  # no busy loop
+    clock.advance(20)  # sim/b is free now, sim/a still cools
+    assert jobs.resume(sweep)["resumed"] == 1
+
+
+def test_reentry_rule_holds_the_fourth_resume_five_minutes(
+    sweep: jobs.Sweep, clock: FakeClock
+) -> None:
+    task_id = paused_task(sweep, 180)
+    for _ in range(3):  # resumed, then straight back into sim/a's cooldown: three times
+        clock.advance(180)
+        assert jobs.resume(sweep)["resumed"] == 1
+        (task,) = sweep.queue.claim("codex", "w", 30)
+        sweep.queue.pause(task.id, task.claim_token, clock.now + 60, "cooldown", model="sim/a")
+    paused = sweep.queue.get(task_id)
+    assert paused.reentry_count == 3
+    clock.advance(60)
+    with capture_logs() as logs:
+        assert jobs.resume(sweep) == {"resumed": 0, "postponed": 0, "held": 1}
+    assert logs[0]["event"].startswith(
+        f"[reentry-hold] task_id={task_id} agent=codex model=sim/a reentries=3 → resume at "
+    )
+    held = sweep.queue.get(task_id)
+    assert held.resume_after == paused.paused_at + 300
+    assert "re-entered the cooldown of sim/a 3 times" in (held.pause_reason or "")
+    clock.advance(239)
+    assert jobs.resume(sweep)["resumed"] == 0
+    clock.advance(1)
+    assert jobs.resume(sweep)["resumed"] == 1
+
+
+def test_48h_demotion_counts_from_the_first_pause(sweep: jobs.Sweep, clock: FakeClock) -> None:
+    task_id = paused_task(sweep, 180)
+    first = clock.now
+    for cycle in range(20):  # resume/re-pause cycles (40 h) do not restart the 48 h
+        clock.now = sweep.queue.get(task_id).resume_after or 0
+        assert jobs.resume(sweep)["resumed"] == 1
+        (task,) = sweep.queue.claim("codex", "w", 30)
+        model = f"sim/{cycle % 2}"
+        sweep.queue.pause(task.id, task.claim_token, clock.now + 2 * HOUR, "cooldown", model=model)
+    clock.now = first + 48 * HOUR - 1
+    assert jobs.demote(sweep) == {"demoted": 0}
+    clock.now = first + 48 * HOUR
+    assert jobs.demote(sweep) == {"demoted": 1}
+    assert jobs.demote(sweep) == {"demoted": 0}
+    task = sweep.queue.get(task_id)
+    assert task.status == "failed" and "paused for more than 48 h" in (task.last_error or "")
+    with sweep.db.engine.connect() as conn:
+        todos = conn.execute(sa.select(ops_todos)).all()
+    assert [(r.kind, r.task_id, r.agent) for r in todos] == [("demoted", task_id, "codex")]
+    assert "48 h" in todos[0].why and todos[0].created_at == clock.now
+
+
+def test_purge_deletes_only_ended_cooldowns(sweep: jobs.Sweep, clock: FakeClock) -> None:
+    sweep.cooldowns.set("old", clock.now + 5, reason="429")
+    sweep.cooldowns.set("live", clock.now + 500, reason="429")
+    clock.advance(5)
+    assert jobs.purge(sweep) == {"purged": 1}
+    with sweep.db.engine.connect() as conn:
+        assert conn.execute(sa.select(model_cooldown.c.model_id)).scalars().all() == ["live"]
+
+
+def test_rescue_requeues_expired_claims_and_fails_poison_pills(
+    sweep: jobs.Sweep, clock: FakeClock
+) -> None:
+    task_id = sweep.queue.enqueue(TaskSpec(agent="codex", command="x", models=("sim/a",))).id
+    tokens = []
+    for rescue in (1, 2):
+        (task,) = sweep.queue.claim("codex", f"w{rescue}", 30)
+        tokens.append(task.claim_token)
+        clock.advance(29)
+        assert jobs.rescue(sweep)["rescued"] == 0  # the lease has not expired yet
+        clock.advance(2)
+        assert jobs.rescue(sweep)["rescued"] == 1
+        again = sweep.queue.get(task_id)
+        assert (again.status, again.rescue_count, again.claimed_by) == ("queued", rescue, None)
+        with pytest.raises(TransitionRejected):  # the old holder can no longer write
+            sweep.queue.complete(task_id, task.claim_token, "late")
+    (task,) = sweep.queue.claim("codex", "w3", 30)
+    clock.advance(31)
+    assert jobs.rescue(sweep) == {"rescued": 0, "poisoned": 1, "workers_pruned": 0}
+    dead = sweep.queue.get(task_id)
+    assert dead.status == "failed" and "lease expired 3 times (last held by w3)" in (
+        dead.last_error or ""
+    )
+    assert tokens == [1, 2] and task.claim_token == 3
+
+
+def test_a_heartbeat_keeps_the_task_and_stale_workers_go_after_rescue(
+    sweep: jobs.Sweep, clock: FakeClock
+) -> None:
+    sweep.queue.enqueue_many(
+        [TaskSpec(agent="codex", command=str(i), models=("sim/a",)) for i in range(2)]
+    )
+    alive, dead = sweep.queue.claim("codex", "alive", 30, limit=2)
+    for name in ("alive", "dead"):
+        worker_rows.WorkerRegistry(sweep.db, name, "codex", clock=clock).register()
+    clock.advance(25)
+    sweep.queue.heartbeat(alive.id, alive.claim_token, 30)
+    worker_rows.WorkerRegistry(sweep.db, "alive", "codex", clock=clock).beat()
+    clock.advance(600)  # dead's row is now older than worker_stale_sec
+    sweep.queue.heartbeat(alive.id, alive.claim_token, 30)
+    worker_rows.WorkerRegistry(sweep.db, "alive", "codex", clock=clock).beat()
+    assert jobs.rescue(sweep) == {"rescued": 1, "poisoned": 0, "workers_pruned": 1}
+    assert sweep.queue.get(alive.id).status == "claimed"
+    assert sweep.queue.get(dead.id).status == "queued"
+    with sweep.db.engine.connect() as conn:
+        assert conn.execute(sa.select(workers.c.id)).scalars().all() == ["alive"]
+
+
+def test_prune_deletes_old_finished_tasks_with_their_events(db: Database, clock: FakeClock) -> None:
+    s = jobs.Sweep(db, Settings(), Catalog(), clock=clock)
+    ids = s.queue.enqueue_many(
+        [TaskSpec(agent="a", command=str(i), models=("sim/a",)) for i in range(3)]
+    )
+    done, failed, live = s.queue.claim("a", "w", 30, limit=3)
+    s.queue.complete(done.id, done.claim_token)
+    s.queue.fail(failed.id, failed.claim_token, "bad")
+    clock.advance(7 * 24 * HOUR + 1)
+    assert jobs.prune(s) == {"pruned": 1}
+    clock.advance(23 * 24 * HOUR)
+    assert jobs.prune(s) == {"pruned": 1}
+    assert [t.id for t in reads.list_tasks(db)] == [live.id]
+    with db.engine.connect() as conn:
+        left = set(conn.execute(sa.select(task_events.c.task_id)).scalars())
+    assert left == {live.id} and set(ids) - left == {done.id, failed.id}
+    keep = jobs.Sweep(
+        db, Settings(done_retention_sec=0, failed_retention_sec=0), Catalog(), clock=clock
+    )
+    s.queue.complete(live.id, live.claim_token)
+    clock.advance(365 * 24 * HOUR)
+    assert jobs.prune(keep) == {"pruned": 0}
+
+
+def test_plan_resume_is_pure() -> None:
+    due = [
+        DueTask(1, "a", ("m1", "m2"), 10.0, 0.0, "m1", 0),
+        DueTask(2, "a", ("m1",), 10.0, 0.0, "m1", 0),
+        DueTask(3, "a", None, 10.0, 0.0, None, 0),
+        DueTask(4, "a", ("m2",), 10.0, 5.0, "m2", 3),
+    ]
+    plan = plan_resume(due, {"m1": 40.0}, reentry_limit=3, reentry_hold_sec=300)
+    assert plan.resume == [1, 3]
+    assert plan.postpone == {2: 40.0}
+    assert plan.hold == {4: 305.0}
