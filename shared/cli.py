@@ -7,9 +7,11 @@ keeps its traceback.
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
+from types import FrameType
 from typing import Any
 
 import click
@@ -44,6 +46,16 @@ def run(command: click.Command, prog: str, args: list[str] | None = None) -> Non
     except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def on_stop_signals(stop: Callable[[str], None]) -> None:
+    """Call ``stop(signal name)`` on SIGTERM and SIGINT (services stop cleanly on either)."""
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
 
 
 def _one_line(text: str) -> str:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-from types import FrameType
-
 import click
 
 from shared import cli
@@ -47,12 +44,7 @@ def sweeper(
         service = SweeperService(
             sweep, interval=config.settings.sweep_interval_sec, peek=config.settings.sweep_peek_sec
         )
-
-        def on_signal(signum: int, _frame: FrameType | None) -> None:
-            service.stop()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        cli.on_stop_signals(lambda _name: service.stop())
         service.run()
     finally:
         db.dispose()

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-from types import FrameType
-
 import click
 
 from shared import cli
@@ -86,12 +83,7 @@ def worker(
             max_tasks=max_tasks,
         )
         runner = Worker(config, db, options)
-
-        def on_signal(signum: int, _frame: FrameType | None) -> None:
-            runner.request_stop(signal.Signals(signum).name)
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        cli.on_stop_signals(runner.request_stop)
         runner.run()
     finally:
         db.dispose()
