@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import click
 
-from shared import cli, reads
+from shared import cli, demo, kpi, reads
 from shared.config import Settings
 from shared.db import Database, migrate, redact
 from shared.queue import TaskQueue
@@ -204,6 +206,55 @@ def retry_cmd(c: Context, task_id: int) -> None:
     """Put a failed or errored task back on the queue."""
     c.queue().retry(task_id)
     click.echo(f"task {task_id} re-queued")
+
+
+@busctl.command("kpi")
+@click.option("--since", metavar="DURATION", help="Only the last DURATION (90s, 15m, 2h, 7d).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_ctx
+def kpi_cmd(c: Context, since: str | None, as_json: bool) -> None:
+    """The four KPIs of the cooldown design, with their targets and counts."""
+    start = time.time() - kpi.parse_duration(since) if since else None
+    kpis = kpi.compute(c.database(), start)
+    if as_json:
+        click.echo(json.dumps({"since": start, "kpis": [k.as_dict() for k in kpis]}, indent=2))
+        return
+    click.echo(render_kpis(kpis))
+
+
+def render_kpis(kpis: list[kpi.Kpi]) -> str:
+    marks = {True: "PASS", False: "FAIL", None: "-"}
+    rows = [
+        [
+            k.number,
+            k.name,
+            k.shown(),
+            k.target,
+            marks[k.passed],
+            f"{k.numerator}/{k.denominator}",
+            k.meaning,
+        ]
+        for k in kpis
+    ]
+    return cli.table(["#", "kpi", "value", "target", "", "counts", "what is counted"], rows)
+
+
+@busctl.command("demo")
+@click.option("--quick", is_flag=True, help="A shorter run (about 10 s, 15 tasks).")
+@click.option("--tasks", type=click.IntRange(3, 2000), help="How many tasks to queue.")
+@click.pass_context
+def demo_cmd(ctx: click.Context, quick: bool, tasks: int | None) -> int:
+    """Watch agentbus work: rate-limited tasks paused, resumed and completed.
+
+    Uses a fresh SQLite file in a temporary folder unless --db is given.
+    """
+    workdir = demo.new_workdir()
+    explicit = ctx.find_root().params.get("db_url")
+    url = explicit or demo.default_url(workdir)
+    plan = demo.QUICK if quick else demo.Plan()
+    if tasks is not None:
+        plan = dataclasses.replace(plan, tasks=tasks)
+    return demo.Demo(url, plan, click.echo, workdir).run()
 
 
 def _excerpt(text: str | None, width: int = 48) -> str:

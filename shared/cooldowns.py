@@ -20,6 +20,7 @@ from sqlalchemy.engine import Connection
 
 from shared.db import Database
 from shared.logging import get_logger
+from shared.schema import cooldown_history
 from shared.schema import model_cooldown as mc
 
 log = get_logger("agentbus.cooldowns")
@@ -97,14 +98,26 @@ class CooldownStore:
         """Cool ``model`` down until ``until`` at least; returns when its cooldown now ends."""
 
         def work(conn: Connection) -> float:
+            now = self.clock()
             row = {
                 "model_id": model,
                 "cooldown_until": until,
-                "updated_at": self.clock(),
+                "updated_at": now,
                 "reason": reason,
                 "source": source,
             }
-            return float(conn.execute(self._upsert, row).scalar_one())
+            effective = float(conn.execute(self._upsert, row).scalar_one())
+            conn.execute(
+                sa.insert(cooldown_history),
+                {
+                    "model_id": model,
+                    "cooldown_until": effective,
+                    "set_at": now,
+                    "reason": reason,
+                    "source": source,
+                },
+            )
+            return effective
 
         effective = self.db.write(work)
         self._cache[model] = max(effective, self._cache.get(model, 0.0))

@@ -12,7 +12,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from shared.schema import task_events
+from shared.schema import route_log, task_events
 
 
 def record(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
@@ -52,3 +52,10 @@ def for_task(conn: Connection, task_id: int) -> list[dict[str, Any]]:
         sa.select(task_events).where(task_events.c.task_id == task_id).order_by(task_events.c.id)
     )
     return [dict(r._mapping) for r in rows]
+
+
+def record_routes(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
+    """Append routing decisions (see ``shared.schema.route_log``) with the settle they led to."""
+    batch = [dict(r) for r in rows]
+    if batch:
+        conn.execute(sa.insert(route_log), batch)

@@ -1,4 +1,4 @@
-"""Retention: finished tasks and their events are deleted once old enough.
+"""Retention: finished tasks, their events and routes are deleted once old enough.
 
 Done tasks go after ``done_retention_sec`` (7 days); failed and errored ones
 after ``failed_retention_sec`` (30 days) so operators can still retry them.
@@ -14,6 +14,7 @@ from sqlalchemy.engine import Connection
 
 from shared.db import Database
 from shared.schema import bus_commands as t
+from shared.schema import cooldown_history, route_log
 from shared.schema import task_events as ev
 
 
@@ -37,6 +38,14 @@ def prune(
             total += gone
             if gone < batch:
                 break
+    kept = [keep for keep in (done_sec, failed_sec) if keep > 0]
+    if kept:  # cooldown history lives as long as the shortest task retention
+        cutoff = now - min(kept)
+        db.write(
+            lambda conn: conn.execute(
+                sa.delete(cooldown_history).where(cooldown_history.c.set_at < cutoff)
+            )
+        )
     return total
 
 
@@ -56,6 +65,7 @@ def _delete_batch(
         if not ids:
             return 0
         conn.execute(sa.delete(ev).where(ev.c.task_id.in_(ids)))
+        conn.execute(sa.delete(route_log).where(route_log.c.task_id.in_(ids)))
         # Guarded like every write: a task retried meanwhile is no longer finished.
         return int(
             conn.execute(sa.delete(t).where(t.c.id.in_(ids), t.c.status.in_(statuses))).rowcount

@@ -136,3 +136,39 @@ workers = sa.Table(
     sa.Column("backoff_until", Epoch),
     sa.Column("current_task", sa.BigInteger),
 )
+
+#: One row per model a worker considered for a task: skipped because it was
+#: cooling down, or called (with the outcome). The routing history; KPIs 1, 3
+#: and 4 are computed from it.
+route_log = sa.Table(
+    "route_log",
+    metadata,
+    sa.Column("id", BigId, primary_key=True),
+    sa.Column("task_id", sa.BigInteger, nullable=False),
+    sa.Column("claim_token", sa.BigInteger, nullable=False),
+    sa.Column("agent", sa.Text, nullable=False),
+    sa.Column("worker", sa.Text),
+    sa.Column("model", sa.Text, nullable=False),
+    sa.Column("decision", sa.Text, nullable=False),  # skip | call
+    sa.Column("outcome", sa.Text),  # ok, rate_limited, overloaded, timeout, auth, error, fatal
+    sa.Column("cooldown_until", Epoch),  # seen (skip) or set (call)
+    sa.Column("at", Epoch, nullable=False),
+    sqlite_autoincrement=True,
+)
+sa.Index("ix_route_log_task", route_log.c.task_id, route_log.c.claim_token)
+sa.Index("ix_route_log_at", route_log.c.at)
+
+#: Every cooldown written (the effective end after the never-shorten upsert):
+#: what model_cooldown said at any moment, for KPI 3.
+cooldown_history = sa.Table(
+    "cooldown_history",
+    metadata,
+    sa.Column("id", BigId, primary_key=True),
+    sa.Column("model_id", sa.Text, nullable=False),
+    sa.Column("cooldown_until", Epoch, nullable=False),
+    sa.Column("set_at", Epoch, nullable=False),
+    sa.Column("reason", sa.Text),
+    sa.Column("source", sa.Text),
+    sqlite_autoincrement=True,
+)
+sa.Index("ix_cooldown_history_model", cooldown_history.c.model_id, cooldown_history.c.set_at)

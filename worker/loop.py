@@ -162,6 +162,7 @@ class Worker:
                         worker=me,
                         note=f"model={d.model}",
                         detail={"model": d.model, "usage": usage, **run.detail()},
+                        routes=run.routes,
                     )
                     self.log.info("task_done", task_id=tid, model=d.model, calls=run.calls)
                 case policy.Pause():
@@ -173,6 +174,7 @@ class Worker:
                         model=d.model,
                         worker=me,
                         detail={"cooling": dict(d.cooling), **run.detail()},
+                        routes=run.routes,
                     )
                     self.log.info(
                         "task_paused",
@@ -181,7 +183,7 @@ class Worker:
                         resume_in=round(d.resume_after - time.time(), 1),
                     )
                 case policy.Requeue():
-                    q.requeue(tid, tok, d.run_after, d.error, worker=me)
+                    q.requeue(tid, tok, d.run_after, d.error, worker=me, routes=run.routes)
                     self.log.info(
                         "task_retry",
                         task_id=tid,
@@ -189,7 +191,7 @@ class Worker:
                         run_in=round(d.run_after - time.time(), 1),
                     )
                 case policy.Fail():
-                    q.fail(tid, tok, d.reason, worker=me)
+                    q.fail(tid, tok, d.reason, worker=me, routes=run.routes)
                     self.log.warning("task_failed", task_id=tid, reason=d.reason)
         except TransitionRejected as exc:
             # Our lease ran out and the task went to someone else: our work is void.

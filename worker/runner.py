@@ -38,6 +38,7 @@ class Run:
     skipped: dict[str, float] = field(default_factory=dict)  # cooling when looked at
     cooled: dict[str, float] = field(default_factory=dict)  # put in cooldown by this run
     calls: int = 0
+    routes: list[dict[str, Any]] = field(default_factory=list)  # rows of route_log
 
     def detail(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -76,13 +77,15 @@ class Runner:
         run = Run(policy.Fail("unreachable"), skipped=dict(cooling))
         refused: list[str] = []
         for model in chain:
+            started = self.clock()
             if model in cooling:
                 log.info(
                     "model_skipped",
                     task_id=task.id,
                     model=model,
-                    cooldown_left=round(cooling[model] - self.clock(), 1),
+                    cooldown_left=round(cooling[model] - started, 1),
                 )
+                run.routes.append(self._route(task, model, "skip", None, cooling[model], started))
                 continue
             try:
                 outcome = self._call(task, model)
@@ -90,6 +93,8 @@ class Runner:
                 run.decision = policy.Fail(exc.message)
                 return run
             run.calls += 1
+            route = self._route(task, model, "call", outcome_name(outcome), None, started)
+            run.routes.append(route)
             match outcome:
                 case Succeeded(text=text, usage=usage):
                     log.info("call_ok", task_id=task.id, model=model)
@@ -102,7 +107,7 @@ class Runner:
                         reason=type(outcome).__name__,
                         source=self.worker_id,
                     )
-                    cooling[model] = run.cooled[model] = until
+                    cooling[model] = run.cooled[model] = route["cooldown_until"] = until
                     log.info(
                         "model_cooldown_set",
                         task_id=task.id,
@@ -128,6 +133,27 @@ class Runner:
         run.decision = policy.when_no_candidate_left(cooling, refused)
         return run
 
+    def _route(
+        self,
+        task: Task,
+        model: str,
+        decision: str,
+        outcome: str | None,
+        until: float | None,
+        at: float,
+    ) -> dict[str, Any]:
+        return {
+            "task_id": task.id,
+            "claim_token": task.claim_token,
+            "agent": task.agent,
+            "worker": self.worker_id,
+            "model": model,
+            "decision": decision,
+            "outcome": outcome,
+            "cooldown_until": until,
+            "at": at,
+        }
+
     def _call(self, task: Task, model: str) -> Outcome:
         provider, upstream = self.providers.for_model(model)
         request = CallRequest(
@@ -148,6 +174,25 @@ class Runner:
         )
         outcome: Outcome = retrying(_call_once, provider, request)
         return outcome
+
+
+def outcome_name(outcome: Outcome) -> str:
+    """How route_log names an outcome."""
+    match outcome:
+        case Succeeded():
+            return "ok"
+        case RateLimited(overloaded=True):
+            return "overloaded"
+        case RateLimited():
+            return "rate_limited"
+        case TimedOut():
+            return "timeout"
+        case AuthFailed():
+            return "auth"
+        case Failed(retryable=True):
+            return "error"
+        case _:
+            return "fatal"
 
 
 def _call_once(provider: Provider, request: CallRequest) -> Outcome:

@@ -34,6 +34,9 @@ from shared.transitions import COMPLETE_MANY_POSTGRES, HEARTBEAT, SETTLE
 
 __all__ = ["Clock", "Enqueued", "TaskQueue"]
 
+#: Routing decisions (rows of ``route_log``) recorded with the settle they led to.
+Routes = Sequence[Mapping[str, Any]]
+
 
 @dataclass(frozen=True)
 class Enqueued:
@@ -163,6 +166,7 @@ class TaskQueue(SweepOps):
         worker: str | None = None,
         note: str | None = None,
         detail: Mapping[str, Any] | None = None,
+        routes: Routes = (),
     ) -> None:
         self._settle(
             "complete",
@@ -172,6 +176,7 @@ class TaskQueue(SweepOps):
             "done",
             {"p_result": result, "p_note": note},
             detail=detail,
+            routes=routes,
         )
 
     def complete_many(
@@ -233,6 +238,7 @@ class TaskQueue(SweepOps):
         *,
         worker: str | None = None,
         spend_attempt: bool = True,
+        routes: Routes = (),
     ) -> None:
         """Permanent failure: the work cannot succeed."""
         self._settle(
@@ -242,6 +248,7 @@ class TaskQueue(SweepOps):
             worker,
             reason,
             {"p_error": reason, "p_spend": int(spend_attempt)},
+            routes=routes,
         )
 
     def error(self, task_id: int, token: int, error: str, *, worker: str | None = None) -> None:
@@ -260,6 +267,7 @@ class TaskQueue(SweepOps):
         model: str | None = None,
         worker: str | None = None,
         detail: Mapping[str, Any] | None = None,
+        routes: Routes = (),
     ) -> None:
         """Every candidate is refused for a temporary reason: park the task (no attempt spent)."""
         self._settle(
@@ -270,6 +278,7 @@ class TaskQueue(SweepOps):
             reason,
             {"p_resume_after": resume_after, "p_reason": reason, "p_model": model},
             detail={"resume_after": resume_after, "model": model, **(detail or {})},
+            routes=routes,
         )
 
     def release(
@@ -279,7 +288,14 @@ class TaskQueue(SweepOps):
         self._settle("release", task_id, token, worker, reason, {})
 
     def requeue(
-        self, task_id: int, token: int, run_after: float, error: str, *, worker: str | None = None
+        self,
+        task_id: int,
+        token: int,
+        run_after: float,
+        error: str,
+        *,
+        worker: str | None = None,
+        routes: Routes = (),
     ) -> None:
         """A retryable failure: the attempt is spent and the task waits until ``run_after``."""
         self._settle(
@@ -290,6 +306,7 @@ class TaskQueue(SweepOps):
             "retry",
             {"p_run_after": run_after, "p_error": error},
             detail={"error": error, "run_after": run_after},
+            routes=routes,
         )
 
     # -- operators -----------------------------------------------------------

@@ -43,6 +43,7 @@ class QueueBase:
         params: Mapping[str, Any],
         *,
         detail: Mapping[str, Any] | None = None,
+        routes: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         (source,), target = TRANSITIONS[action]
 
@@ -67,6 +68,7 @@ class QueueBase:
                     )
                 ],
             )
+            events.record_routes(conn, routes)
 
         self.db.write(work)
 
