@@ -7,11 +7,46 @@ migrations in ``migrations/`` create exactly this schema; a test compares them.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import sqlalchemy as sa
 
 from shared.states import TaskStatus
 
 metadata = sa.MetaData()
+
+
+class InvalidJSON(str):
+    """A JSON column's text that does not parse (a row written by hand or by an older tool)."""
+
+
+class LenientJSON(sa.TypeDecorator[Any]):
+    """JSON that reads a malformed value as ``InvalidJSON`` instead of raising.
+
+    A task row with a broken payload must fail that task with a reason, not
+    crash every worker that claims it. (Postgres validates json itself.)
+    """
+
+    impl = sa.JSON
+    cache_ok = True
+
+    def result_processor(self, dialect: sa.Dialect, coltype: object) -> Any:
+        if dialect.name != "sqlite":  # the driver decodes, and the server validated
+            return super().result_processor(dialect, coltype)
+
+        def process(value: Any) -> Any:
+            if not isinstance(value, (str, bytes)):
+                return value
+            try:
+                return json.loads(value)
+            except ValueError:
+                return InvalidJSON(
+                    value if isinstance(value, str) else value.decode(errors="replace")
+                )
+
+        return process
+
 
 #: Integer primary keys: 64-bit on Postgres, the rowid alias on SQLite.
 BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
@@ -26,8 +61,8 @@ bus_commands = sa.Table(
     sa.Column("id", BigId, primary_key=True),
     sa.Column("agent", sa.Text, nullable=False),
     sa.Column("command", sa.Text),
-    sa.Column("payload", sa.JSON),
-    sa.Column("models", sa.JSON),
+    sa.Column("payload", LenientJSON),
+    sa.Column("models", LenientJSON),
     sa.Column("role", sa.Text),
     sa.Column("status", sa.Text, nullable=False, server_default="queued"),
     sa.Column("priority", sa.Integer, nullable=False, server_default="0"),

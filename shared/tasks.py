@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.errors import BusError
+from shared.schema import InvalidJSON
 from shared.states import TaskStatus
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}$")
@@ -142,11 +143,14 @@ class Task:
     created_at: float | None
     updated_at: float | None
 
+    problem: str | None = None  # why this row cannot be run (set by from_row)
+
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> Task:
         models = row["models"]
         payload = row["payload"]
         return cls(
+            problem=_row_problem(payload, models),
             id=int(row["id"]),
             agent=row["agent"],
             command=row["command"],
@@ -179,10 +183,23 @@ class Task:
         )
 
     def as_dict(self) -> dict[str, Any]:
-        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "problem"}
         out["status"] = self.status.value
         out["models"] = list(self.models) if self.models is not None else None
         return out
+
+
+def _row_problem(payload: Any, models: Any) -> str | None:
+    """What makes a stored row unrunnable (rows written by hand or by other tools)."""
+    if isinstance(payload, InvalidJSON):
+        return "the payload is not valid JSON"
+    if payload is not None and not isinstance(payload, dict):
+        return f"the payload is a JSON {type(payload).__name__}, not a JSON object"
+    if models is not None and (
+        not isinstance(models, list) or not all(isinstance(m, str) for m in models)
+    ):
+        return "the model chain is not a JSON list of model ids"
+    return None
 
 
 def sequence_or_none(value: Sequence[str] | None) -> tuple[str, ...] | None:

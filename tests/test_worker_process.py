@@ -282,3 +282,46 @@ def test_worker_refuses_an_unknown_agent_and_an_unmigrated_db(
     assert proc.wait() == 2 and "unknown agent 'ron'" in proc.text()
     proc = spawn("worker", "--agent", "codex", "--db", empty_db_url)
     assert proc.wait() == 2 and "run `busctl migrate`" in proc.text()
+
+
+# Postgres refuses invalid json itself: there the malformed payload is a JSON string.
+MALFORMED = {
+    "not-json": {
+        "sqlite": ("not json at all", "the payload is not valid JSON"),
+        "postgresql": ('"just text"', "the payload is a JSON str, not a JSON object"),
+    },
+    "array": {"sqlite": ("[1, 2]", "the payload is a JSON list, not a JSON object")},
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "models", "reason"),
+    [
+        ("not-json", '["sim/a"]', None),
+        ("array", '["sim/a"]', None),
+        ("{}", '"sim/a"', "the model chain is not a JSON list"),
+    ],
+)
+def test_malformed_rows_written_by_hand_fail_their_task_not_the_worker(
+    db_url: str, queue: TaskQueue, spawn: Spawn, case: str, models: str, reason: str | None
+) -> None:
+    db = queue.db
+    variants = MALFORMED.get(case, {})
+    payload, expected = variants.get(db.dialect, variants.get("sqlite", (case, reason)))
+    with db.engine.begin() as conn:
+        cast = "CAST(:p AS json)" if db.dialect == "postgresql" else ":p"
+        mcast = "CAST(:m AS json)" if db.dialect == "postgresql" else ":m"
+        conn.execute(
+            sa.text(
+                "INSERT INTO bus_commands (agent, command, status, payload, models, created_at, "
+                f"updated_at) VALUES ('codex', 'hand-written', 'queued', {cast}, {mcast}, 0, 0)"
+            ),
+            {"p": payload, "m": models},
+        )
+    good = enqueue(queue, "codex", {}, models=("sim/a",))[0]
+    proc = spawn("worker", "--agent", "codex", "--db", db_url, "--drain")
+    assert proc.wait() == 0, proc.text()
+    (bad,) = [t for t in reads.list_tasks(db) if t.command == "hand-written"]
+    assert bad.status == "failed" and str(expected) in (bad.last_error or "")
+    assert queue.get(good).status == "done"
+    assert "Traceback" not in proc.text()

@@ -68,6 +68,8 @@ class Runner:
         self.clock = clock
 
     def run(self, task: Task) -> Run:
+        if task.problem is not None:
+            return Run(policy.Fail(task.problem))
         try:
             chain = self.catalog.chain_for(models=task.models, role=task.role, agent=task.agent)
             self.providers.check(task.payload, chain)
