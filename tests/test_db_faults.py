@@ -1,0 +1,165 @@
+"""Database faults are survived: lock contention on SQLite, dropped connections and a
+restart on PostgreSQL. Nothing is lost and no process crashes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from shared import reads
+from shared.db import Database, migrate
+from shared.queue import TaskQueue
+from shared.tasks import TaskSpec
+from tests.conftest import IN_CI, Backends
+from tests.procs import hammer
+from tests.support import Proc, wait_until
+
+pytestmark = pytest.mark.process
+Spawn = Callable[..., Proc]
+FAST = {
+    "AGENTBUS_LEASE_SEC": "2",
+    "AGENTBUS_SWEEP_INTERVAL_SEC": "1",
+    "AGENTBUS_POLL_SEC": "0.1",
+    "AGENTBUS_DB_RETRY_SEC": "60",
+}
+
+
+def test_eight_processes_hammering_one_sqlite_file(backends: Backends) -> None:
+    url, handle = backends.new("sqlite")
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager, ProcessPoolExecutor(8, mp_context=ctx) as pool:
+        start = manager.Event()
+        futures = [pool.submit(hammer, url, f"agent{i}", 150, 20, start) for i in range(8)]
+        start.set()
+        done = [f.result(timeout=300) for f in futures]  # an escaped "database is locked" raises
+    assert done == [150] * 8
+    db = Database(url)
+    assert reads.counts(db) == {("done", f"agent{i}"): 150 for i in range(8)}
+    db.dispose()
+    backends.drop(handle)
+
+
+def _run_and_disrupt(url: str, spawn: Spawn, disrupt: Callable[[], None], tasks: int = 120) -> None:
+    db = Database(url)
+    queue = TaskQueue(db)
+    script = {"simulate": {"sim/a": {"latency_ms": 100}}}
+    ids = queue.enqueue_many(
+        [
+            TaskSpec(agent="codex", command=str(i), models=("sim/a",), payload=script)
+            for i in range(tasks)
+        ]
+    )
+    procs = [spawn("worker", "--agent", "codex", "--db", url, env=FAST) for _ in range(2)]
+    procs.append(spawn("sweeper", "--db", url, env=FAST))
+    wait_until(lambda: sum(n for (s, _), n in reads.counts(db).items() if s == "done") >= 10)
+    disrupt()
+    wait_until(lambda: all(queue.get(i).status == "done" for i in ids), timeout=180)
+    assert [p.popen.poll() for p in procs] == [None, None, None], "a process died"
+    for proc in procs:
+        proc.signal(signal.SIGTERM)
+    assert [p.wait() for p in procs] == [0, 0, 0]
+    for proc in procs:
+        assert "Traceback" not in proc.text()
+    assert any("db_retry" in p.text() for p in procs), "the fault was never felt"
+    db.dispose()
+
+
+def test_postgres_connections_terminated_mid_run(backends: Backends, spawn: Spawn) -> None:
+    url, name = backends.new("postgresql")
+    admin = Database(url.rsplit("/", 1)[0] + "/postgres")
+
+    conninfo = admin.url.set(drivername="postgresql").render_as_string(False)
+    sql = (
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+        "WHERE datname = %s AND pid <> pg_backend_pid()"
+    )
+
+    def kill_backends() -> int:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            row = conn.execute(sql, (str(name),)).fetchone()
+            return int(row[0]) if row else 0
+
+    def terminate_all() -> None:
+        assert kill_backends() > 0
+        wait_until(kill_backends)  # and again, once they have reconnected
+
+    _run_and_disrupt(url, spawn, terminate_all)
+    admin.dispose()
+    backends.drop(name)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def throwaway_postgres() -> Iterator[tuple[str, Callable[[], None]]]:
+    """A PostgreSQL cluster of the test's own (initdb + pg_ctl), and a way to restart it."""
+    bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    if not bins:
+        if IN_CI:
+            pytest.fail("initdb is needed under CI for the restart test", pytrace=False)
+        pytest.skip("no initdb on this machine")
+    bindir = bins[-1].parent
+    root = Path(tempfile.mkdtemp(prefix="agentbus-pg-"))
+    run_as: list[str] = []
+    if os.geteuid() == 0:  # PostgreSQL refuses to run as root
+        run_as = ["runuser", "-u", "postgres", "--"]
+        shutil.chown(root, "postgres")
+    port = _free_port()
+    data = root / "data"
+    pg_ctl = [
+        *run_as,
+        str(bindir / "pg_ctl"),
+        "-D",
+        str(data),
+        "-l",
+        str(root / "log"),
+        "-w",
+        "-o",
+        f"-p {port} -k {root} -c listen_addresses=127.0.0.1",
+    ]
+    subprocess.run(
+        [*run_as, str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust"],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run([*pg_ctl, "start"], check=True, capture_output=True)
+    try:
+        with psycopg.connect(
+            f"host=127.0.0.1 port={port} user=postgres dbname=postgres", autocommit=True
+        ) as conn:
+            conn.execute("CREATE DATABASE bus")
+        url = f"postgresql+psycopg://postgres@127.0.0.1:{port}/bus"
+        db = Database(url)
+        migrate(db)
+        db.dispose()
+        yield (
+            url,
+            lambda: subprocess.run(
+                [*pg_ctl, "-m", "fast", "restart"], check=True, capture_output=True
+            ),
+        )
+    finally:
+        subprocess.run([*pg_ctl, "-m", "immediate", "stop"], capture_output=True, check=False)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_postgres_restart_mid_run(
+    throwaway_postgres: tuple[str, Callable[[], None]], spawn: Spawn
+) -> None:
+    url, restart = throwaway_postgres
+    _run_and_disrupt(url, spawn, restart)
