@@ -125,10 +125,10 @@ def _table(doc: Mapping[str, Any], key: str) -> list[tuple[str, Mapping[str, Any
     if not isinstance(section, dict):
         raise ConfigError(f"[{key}] must be a table")
     for name, body in section.items():
-        if not isinstance(body, dict):
-            raise ConfigError(f"[{key}.{name}] must be a table")
         if not NAME_RE.match(name):
             raise ConfigError(f"[{key}]: invalid name {name!r}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"[{key}.{name}] must be a table")
     return list(section.items())
 
 

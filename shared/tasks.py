@@ -17,7 +17,7 @@ from shared.errors import BusError
 from shared.schema import InvalidJSON
 from shared.states import TaskStatus
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}$")
+NAME_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}\Z")
 MAX_TEXT = 1_000_000
 
 
@@ -45,6 +45,9 @@ class TaskSpec:
 
 def validate(spec: TaskSpec) -> None:
     """Raise InvalidTask with one readable line when ``spec`` cannot be enqueued."""
+    for label, text in (("task text", spec.command), ("idempotency key", spec.key)):
+        if isinstance(text, str) and "\x00" in text:
+            raise InvalidTask(f"the {label} contains a NUL character")
     if not isinstance(spec.agent, str) or not NAME_RE.match(spec.agent):
         raise InvalidTask(
             f"invalid agent name {spec.agent!r}: use letters, digits and _ . : / @ + -"

@@ -27,6 +27,7 @@ from shared.providers import CallRequest
 from shared.tasks import InvalidTask
 
 BEHAVIOURS = ("ok", "rate_limited", "overloaded", "timeout", "error", "fatal", "auth")
+MAX_LATENCY_MS = 600_000
 _KEYS = {"behaviour", "until", "for_s", "retry_after_s", "latency_ms"}
 
 
@@ -56,6 +57,10 @@ def script_for(payload: Mapping[str, Any], model: str) -> dict[str, Any]:
             or value < 0
         ):
             raise InvalidTask(f"payload.simulate[{model!r}].{key} must be a non-negative number")
+    if (script.get("latency_ms") or 0) > MAX_LATENCY_MS:
+        raise InvalidTask(
+            f"payload.simulate[{model!r}].latency_ms must be at most {MAX_LATENCY_MS}"
+        )
     return script
 
 

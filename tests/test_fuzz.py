@@ -1,0 +1,233 @@
+"""Bad input, generated (hypothesis): every refusal is one clear line and changes nothing;
+no input makes a traceback; tasks the worker cannot run fail with a readable reason."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
+
+from shared import cli
+from shared.busctl import busctl
+from shared.catalog import Catalog
+from shared.config import Settings, load_config
+from shared.cooldowns import CooldownStore
+from shared.db import Database
+from shared.errors import ConfigError
+from shared.providers import Providers
+from shared.queue import TaskQueue
+from shared.schema import bus_commands, task_events
+from shared.tasks import TaskSpec
+from worker import policy
+from worker.runner import Runner
+
+FUZZ = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+text = st.text(st.characters(codec="utf-8"), max_size=40)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | text,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text, inner, max_size=4),
+    max_leaves=10,
+)
+
+
+def run_busctl(args: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli.run(busctl, "busctl", args)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        else:
+            code = 0
+    return code, out.getvalue(), err.getvalue()
+
+
+def rows(db: Database) -> tuple[int, int]:
+    with db.engine.connect() as conn:
+        return (
+            conn.execute(sa.select(sa.func.count()).select_from(bus_commands)).scalar_one(),
+            conn.execute(sa.select(sa.func.count()).select_from(task_events)).scalar_one(),
+        )
+
+
+@st.composite
+def enqueue_args(draw: st.DrawFn) -> list[str]:
+    args = ["enqueue"]
+    if draw(st.booleans()):
+        args += ["--agent", draw(st.sampled_from(["codex", "ron"]) | text)]
+    chain = draw(st.sampled_from(["models", "role", "both", "none"]))
+    if chain in ("models", "both"):
+        args += ["--models", draw(st.sampled_from(["sim/a", "sim/a,sim/b"]) | text)]
+    if chain in ("role", "both"):
+        args += ["--role", draw(st.sampled_from(["coder"]) | text)]
+    if draw(st.booleans()):
+        payload = draw(json_values.map(json.dumps) | text)
+        args += ["--payload", payload]
+    for flag in ("--priority", "--run-after", "--max-attempts", "--key"):
+        if draw(st.booleans()):
+            value = draw(st.integers(-5, 2_000_000).map(str) | st.floats().map(str) | text)
+            args += [flag, value]
+    if draw(st.booleans()):
+        args.append(draw(text))
+    return args
+
+
+def test_fuzzed_enqueue_is_one_line_or_a_task(db_url: str) -> None:
+    db = Database(db_url)
+
+    @FUZZ
+    @given(enqueue_args())
+    def check(args: list[str]) -> None:
+        before = rows(db)
+        code, out, err = run_busctl(["--db", db_url, *args])
+        after = rows(db)
+        assert "Traceback" not in out + err
+        if code == 0:
+            assert out.strip().isdigit(), out
+            assert after[0] in (before[0], before[0] + 1)
+        else:
+            assert code == 2, (code, out, err)
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("busctl: error: "), err
+            assert out == ""
+            assert after == before  # a refused command changes nothing
+
+    check()
+    db.dispose()
+
+
+@FUZZ
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            [*Settings.fields_doc(), "providers", "models", "roles", "agents", "bogus"]
+        ),
+        json_values,
+        max_size=6,
+    )
+)
+def test_fuzzed_config_documents_load_or_say_why(doc: dict[str, Any]) -> None:
+    try:
+        Catalog.from_doc(doc)
+        Settings.from_doc(doc, Path("agentbus.toml"), None, {})
+    except ConfigError as exc:
+        assert exc.message and "\n" not in exc.message
+
+
+@FUZZ
+@given(st.text(max_size=200))
+def test_fuzzed_config_text_loads_or_says_why(
+    tmp_path_factory: pytest.TempPathFactory, body: str
+) -> None:
+    path = tmp_path_factory.mktemp("cfg") / "agentbus.toml"
+    path.write_text(body, encoding="utf-8")
+    try:
+        load_config(path, environ={})
+    except ConfigError as exc:
+        assert exc.message
+
+
+@st.composite
+def task_rows(draw: st.DrawFn) -> dict[str, Any]:
+    model = st.sampled_from(["sim/a", "sim/b", "gpt-unknown"]) | text
+    return {
+        "payload": draw(
+            st.one_of(
+                json_values,
+                st.dictionaries(
+                    st.just("simulate"),
+                    st.dictionaries(
+                        model,
+                        json_values
+                        | st.sampled_from(
+                            ["ok", "rate_limited", "timeout", "fatal", "auth", "error"]
+                        ),
+                        max_size=3,
+                    ),
+                ),
+            )
+        ),
+        "models": draw(st.none() | st.lists(model, max_size=3) | json_values),
+        "role": draw(st.none() | text),
+    }
+
+
+def test_fuzzed_task_rows_never_crash_the_worker(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("shared.providers.simulated.time.sleep", lambda _s: None)
+    queue = TaskQueue(db)
+    quick = Settings(call_retries=0, call_retry_wait_sec=0.001)
+    runner = Runner(
+        settings=quick,
+        catalog=Catalog(),
+        cooldowns=CooldownStore(db),
+        providers=Providers(Catalog(), {}),
+        worker_id="fuzz",
+    )
+
+    counter = itertools.count()
+
+    @FUZZ
+    @given(task_rows())
+    def check(row: dict[str, Any]) -> None:
+        agent = f"fuzz{next(counter)}"  # one agent per example: claim exactly this row
+        task_id = queue.enqueue(TaskSpec(agent=agent, command="x", models=("sim/a",))).id
+        try:
+            with db.engine.begin() as conn:  # the row as another tool might have written it
+                conn.execute(
+                    sa.update(bus_commands)
+                    .where(bus_commands.c.id == task_id)
+                    .values(payload=row["payload"], models=row["models"], role=row["role"])
+                )
+        except sa.exc.DataError:
+            reject()  # the database itself refuses such a row (Postgres: NUL, Infinity)
+        (task,) = queue.claim(agent, "fuzz", 30)
+        assert task.id == task_id
+        run = runner.run(task)  # must not raise
+        assert isinstance(
+            run.decision, (policy.Complete, policy.Pause, policy.Requeue, policy.Fail)
+        )
+        if isinstance(run.decision, policy.Fail):
+            assert run.decision.reason.strip()
+        queue.release(task.id, task.claim_token)
+        with db.engine.begin() as conn:
+            conn.execute(sa.delete(bus_commands).where(bus_commands.c.id == task_id))
+
+    check()
+
+
+@pytest.mark.parametrize("program", ["busctl", "worker", "sweeper"])
+def test_a_password_in_the_config_never_reaches_the_output(
+    program: str, tmp_path: Path, run_busctl: Any
+) -> None:
+    import subprocess
+    import sys
+
+    secret = "pw-THAT-MUST-NOT-SHOW"
+    config = tmp_path / "agentbus.toml"
+    config.write_text(f'database_url = "postgresql://agent:{secret}@127.0.0.1:1/bus"\n')
+    args = {"busctl": ["status"], "worker": ["--agent", "codex"], "sweeper": ["--once"]}[program]
+    exe = str(Path(sys.executable).with_name(program))
+    done = subprocess.run(
+        [exe, "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "cannot connect to postgresql+psycopg://agent:***@127.0.0.1:1/bus" in done.stderr
+    assert secret not in done.stdout + done.stderr
