@@ -54,7 +54,7 @@ from shared.config import Settings
 from shared.cooldowns import CooldownStore
 from shared.db import Database, migrate
 from shared.logging import configure
-from shared.queue import TaskQueue
+from shared.queue import Completion, TaskQueue
 from shared.schema import bus_commands
 from shared.tasks import TaskSpec
 from sweeper import jobs
@@ -111,7 +111,7 @@ def drain(url: str, synchronous: str, agent: str, batch: int, ready: Event, go: 
         if batch == 1:
             queue.complete(tasks[0].id, tasks[0].claim_token, None, worker=worker)
         else:  # acknowledge the batch in one transaction
-            queue.complete_many([(t.id, t.claim_token, None) for t in tasks], worker=worker)
+            queue.complete_many([Completion(t.id, t.claim_token) for t in tasks], worker=worker)
         done += len(tasks)
     db.dispose()
     return done

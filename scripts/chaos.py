@@ -215,11 +215,15 @@ def run(
         "AGENTBUS_DATABASE_URL": url,
     }
     sweeper = _spawn("sweeper", [], env, workdir / "sweeper.log")
-    workers: list[tuple[str, subprocess.Popen[bytes]]] = [
-        (agent, _spawn("worker", ["--agent", agent], env, workdir / f"worker-{agent}.log"))
-        for agent in AGENTS
-        for _ in range(WORKERS_PER_AGENT)
-    ]
+
+    def start(agent: str) -> subprocess.Popen[bytes]:
+        # Half the workers claim one task at a time, half three (batch acknowledgements).
+        batch = str(rng.choice([1, 3]))
+        return _spawn(
+            "worker", ["--agent", agent, "--batch", batch], env, workdir / f"worker-{agent}.log"
+        )
+
+    workers = [(agent, start(agent)) for agent in AGENTS for _ in range(WORKERS_PER_AGENT)]
     kills = 0
     say(
         f"{tasks} tasks, {len(workers)} workers and a sweeper; killing one every "
@@ -234,10 +238,7 @@ def run(
             victim.send_signal(signal.SIGKILL)
             victim.wait()
             kills += 1
-            workers[index] = (
-                agent,
-                _spawn("worker", ["--agent", agent], env, workdir / f"worker-{agent}.log"),
-            )
+            workers[index] = (agent, start(agent))
         say(f"killed {kills} workers; letting the sweeper rescue and the queue settle")
         settle_ends = time.monotonic() + settle
         while time.monotonic() < settle_ends:

@@ -82,6 +82,11 @@ class Settings:
         "On SIGTERM, how long a running call may finish before its task is released.", 30.0
     )
     poll_sec: float = _doc("How long an idle worker waits before looking for work again.", 1.0)
+    claim_batch: int = _doc(
+        "Tasks a worker claims at once and runs in turn, acknowledging their completions "
+        "together (1: one at a time; more is faster for short tasks).",
+        1,
+    )
     sweep_interval_sec: float = _doc("How often the sweeper runs all of its jobs.", 60.0)
     sweep_peek_sec: float = _doc(
         "How often the sweeper looks for the earliest pending resume_after (cheap).", 2.0
@@ -161,7 +166,7 @@ class Settings:
                 raise ConfigError(f"setting {name} must be positive, got {getattr(self, name)}")
         if self.call_retries < 0:
             raise ConfigError("setting call_retries must not be negative")
-        for name in ("sweep_batch", "reentry_limit", "rescue_limit"):
+        for name in ("sweep_batch", "reentry_limit", "rescue_limit", "claim_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name} must be at least 1")
         for name in ("done_retention_sec", "failed_retention_sec"):

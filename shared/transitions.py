@@ -179,18 +179,23 @@ def claim_statement(dialect: str) -> Update:
 def _complete_many_postgres() -> Update:
     """Postgres: complete many claims in one guarded UPDATE over unnest()ed arrays.
 
-    Parameters ``p_ids``, ``p_tokens``, ``p_results`` (parallel arrays) and ``p_now``.
+    Parameters ``p_ids``, ``p_tokens``, ``p_results``, ``p_notes`` (parallel arrays), ``p_now``.
     """
     batch = (
         sa.func.unnest(
             sa.bindparam("p_ids", type_=postgresql.ARRAY(sa.BigInteger)),
             sa.bindparam("p_tokens", type_=postgresql.ARRAY(sa.BigInteger)),
             sa.bindparam("p_results", type_=postgresql.ARRAY(sa.Text)),
+            sa.bindparam("p_notes", type_=postgresql.ARRAY(sa.Text)),
         )
-        .table_valued("v_id", "v_token", "v_result")
+        .table_valued("v_id", "v_token", "v_result", "v_note")
         .render_derived(name="batch")
     )
-    changes = {**_CLAIMED_CHANGES["complete"], "result": batch.c.v_result, "result_note": None}
+    changes = {
+        **_CLAIMED_CHANGES["complete"],
+        "result": batch.c.v_result,
+        "result_note": batch.c.v_note,
+    }
     return (
         sa.update(t)
         .where(t.c.id == batch.c.v_id, t.c.claim_token == batch.c.v_token, t.c.status == "claimed")

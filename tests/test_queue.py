@@ -6,7 +6,7 @@ import pytest
 
 from shared import reads
 from shared.errors import TaskNotFound, TransitionRejected
-from shared.queue import TaskQueue
+from shared.queue import Completion, TaskQueue
 from shared.states import TaskStatus
 from shared.tasks import TaskSpec
 from tests.support import FakeClock
@@ -208,7 +208,10 @@ def test_complete_many_reports_superseded_claims(queue: TaskQueue) -> None:
     queue.release(stale.id, stale.claim_token)
     (reclaimed,) = queue.claim("codex", "w2", 30)
     assert reclaimed.id == stale.id
-    items = [(t.id, t.claim_token, f"answer {t.id}") for t in tasks]
+    items = [
+        Completion(t.id, t.claim_token, f"answer {t.id}", note="batch", detail={"n": t.id})
+        for t in tasks
+    ]
     assert queue.complete_many(items, worker="w1") == [stale.id]
     for task in tasks[1:]:
         done = queue.get(task.id)
@@ -217,7 +220,9 @@ def test_complete_many_reports_superseded_claims(queue: TaskQueue) -> None:
             f"answer {task.id}",
             1,
         )
-        assert reads.task_events(queue.db, task.id)[-1]["worker"] == "w1"
+        assert done.result_note == "batch"
+        last = reads.task_events(queue.db, task.id)[-1]
+        assert (last["worker"], last["detail"]) == ("w1", {"n": task.id})
     assert queue.get(stale.id).status is TaskStatus.CLAIMED
     assert queue.complete_many([]) == []
 

@@ -325,3 +325,22 @@ def test_malformed_rows_written_by_hand_fail_their_task_not_the_worker(
     assert bad.status == "failed" and str(expected) in (bad.last_error or "")
     assert queue.get(good).status == "done"
     assert "Traceback" not in proc.text()
+
+
+def test_batch_claims_are_acknowledged_together_and_released_on_sigterm(
+    db_url: str, queue: TaskQueue, spawn: Spawn
+) -> None:
+    slow = {"simulate": {"sim/a": {"latency_ms": 300}}}
+    ids = enqueue(queue, "codex", slow, n=8, models=("sim/a",))
+    proc = spawn("worker", "--agent", "codex", "--db", db_url, "--batch", "4", "--log-json")
+    wait_until(lambda: sum(queue.get(i).status == "claimed" for i in ids) == 4)
+    proc.signal(signal.SIGTERM)  # during the first batch's first call
+    assert proc.wait() == 0, proc.text()
+    statuses = Counter(queue.get(i).status for i in ids)
+    assert statuses["claimed"] == 0 and statuses["done"] >= 1
+    assert statuses["done"] + statuses["queued"] == 8  # nothing lost: the rest went back
+    released = [e for i in ids for e in reads.task_events(queue.db, i) if e["reason"] == "shutdown"]
+    assert len(released) == 4 - statuses["done"]
+    rest = spawn("worker", "--agent", "codex", "--db", db_url, "--batch", "4", "--drain")
+    assert rest.wait() == 0
+    assert all(queue.get(i).status == "done" for i in ids)

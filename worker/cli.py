@@ -40,6 +40,13 @@ from worker.loop import Options, Worker
     metavar="SECONDS",
     help="On SIGTERM, time a running call may finish [setting grace_sec].",
 )
+@click.option(
+    "--batch",
+    "claim_batch",
+    type=click.IntRange(1, 1000),
+    metavar="N",
+    help="Claim N tasks at once and acknowledge them together [setting claim_batch, 1].",
+)
 @click.option("--log-json", is_flag=True, help="Log JSON lines (default: readable lines).")
 def worker(
     agent: str,
@@ -50,9 +57,10 @@ def worker(
     lease_sec: float | None,
     poll_sec: float | None,
     grace_sec: float | None,
+    claim_batch: int | None,
     log_json: bool,
 ) -> None:
-    """Claim and run the tasks of one agent, one at a time."""
+    """Claim and run the tasks of one agent, one at a time (or --batch N per claim)."""
     configure(json=log_json)
     if not NAME_RE.match(agent):
         raise click.BadParameter(f"invalid agent name {agent!r}", param_hint="--agent")
@@ -63,6 +71,7 @@ def worker(
             "lease_sec": lease_sec,
             "poll_sec": poll_sec,
             "grace_sec": grace_sec,
+            "claim_batch": claim_batch,
         },
     )
     if config.catalog.agents and agent not in config.catalog.agents:
@@ -81,6 +90,7 @@ def worker(
             settings.grace_sec,
             drain=drain,
             max_tasks=max_tasks,
+            batch=settings.claim_batch,
         )
         runner = Worker(config, db, options)
         cli.on_stop_signals(runner.request_stop)

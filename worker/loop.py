@@ -21,7 +21,7 @@ from shared.db import Database
 from shared.errors import TransitionRejected
 from shared.logging import get_logger
 from shared.providers import Providers
-from shared.queue import TaskQueue
+from shared.queue import Completion, TaskQueue
 from shared.tasks import Task
 from shared.workers import WorkerRegistry, new_worker_id
 from worker import policy
@@ -38,6 +38,7 @@ class Options:
     grace_sec: float
     drain: bool = False
     max_tasks: int | None = None
+    batch: int = 1  # tasks per claim; their completions are acknowledged together
 
 
 class Worker:
@@ -64,6 +65,8 @@ class Worker:
         )
         self.stopping = threading.Event()
         self._last_beat = 0.0
+        self._held: list[Task] = []  # claimed by us and not yet settled in the database
+        self._acks: list[Completion] = []  # done, to acknowledge with the batch
 
     def request_stop(self, reason: str = "signal") -> None:
         if not self.stopping.is_set():
@@ -76,17 +79,29 @@ class Worker:
         processed = 0
         try:
             while not self.stopping.is_set():
-                if self.options.max_tasks is not None and processed >= self.options.max_tasks:
+                room = self.options.batch
+                if self.options.max_tasks is not None:
+                    room = min(room, self.options.max_tasks - processed)
+                if room <= 0:
                     break
-                tasks = self.queue.claim(self.options.agent, self.id, self.options.lease_sec)
+                tasks = self.queue.claim(
+                    self.options.agent, self.id, self.options.lease_sec, limit=room
+                )
                 if not tasks:
                     if self.options.drain:
                         break
                     self._beat_if_due()
                     self.stopping.wait(self.options.poll_sec)
                     continue
-                self._process(tasks[0])
-                processed += 1
+                self._held = list(tasks)
+                for task in tasks:
+                    if self.stopping.is_set():
+                        break
+                    self._process(task)
+                    processed += 1
+                self._flush_acks()
+                for task in list(self._held):  # claimed but not started: give them back
+                    self._release(task)
         finally:
             self.registry.remove()
             self.providers.close()
@@ -130,14 +145,18 @@ class Worker:
         else:
             self._settle_error(task, box.get("error"))
 
-    def _heartbeat(self, task: Task) -> None:
-        try:
-            self.queue.heartbeat(task.id, task.claim_token, self.options.lease_sec)
-        except TransitionRejected as exc:
-            self.log.warning("claim_lost", task_id=task.id, detail=exc.message)
+    def _heartbeat(self, _running: Task) -> None:
+        """Renew the lease of every task we hold: the running one and those waiting."""
+        for task in list(self._held):
+            try:
+                self.queue.heartbeat(task.id, task.claim_token, self.options.lease_sec)
+            except TransitionRejected as exc:
+                self.log.warning("claim_lost", task_id=task.id, detail=exc.message)
+                self._held.remove(task)
         self._beat()
 
     def _release(self, task: Task) -> None:
+        self._forget(task)
         try:
             self.queue.release(task.id, task.claim_token, "shutdown", worker=self.id)
             self.log.info("task_released", task_id=task.id, reason="shutdown")
@@ -148,6 +167,8 @@ class Worker:
     def _settle(self, task: Task, run: Run) -> None:
         d = run.decision
         q, tid, tok, me = self.queue, task.id, task.claim_token, self.id
+        if not isinstance(d, policy.Complete):
+            self._forget(task)
         try:
             match d:
                 case policy.Complete():
@@ -155,14 +176,26 @@ class Worker:
                         "prompt_tokens": d.usage.prompt_tokens,
                         "completion_tokens": d.usage.completion_tokens,
                     }
-                    q.complete(
+                    ack = Completion(
                         tid,
                         tok,
                         d.result,
-                        worker=me,
                         note=f"model={d.model}",
                         detail={"model": d.model, "usage": usage, **run.detail()},
                         routes=run.routes,
+                    )
+                    if self.options.batch > 1:
+                        self._acks.append(ack)  # acknowledged with the batch
+                        return
+                    self._forget(task)
+                    q.complete(
+                        tid,
+                        tok,
+                        ack.result,
+                        worker=me,
+                        note=ack.note,
+                        detail=ack.detail,
+                        routes=ack.routes,
                     )
                     self.log.info("task_done", task_id=tid, model=d.model, calls=run.calls)
                 case policy.Pause():
@@ -202,7 +235,33 @@ class Worker:
         elif isinstance(d, (policy.Requeue, policy.Fail)):
             self._record(failed=True, why=getattr(d, "reason", getattr(d, "error", "")))
 
+    def _flush_acks(self) -> None:
+        """Acknowledge the batch's completed tasks in one transaction."""
+        if not self._acks:
+            return
+        acks, self._acks = self._acks, []
+        lost = set(self.queue.complete_many(acks, worker=self.id))
+        for ack in acks:
+            self._forget_id(ack.task_id)
+            if ack.task_id in lost:
+                self.log.warning(
+                    "claim_lost",
+                    task_id=ack.task_id,
+                    detail="the claim was superseded before the batch was acknowledged",
+                )
+            else:
+                self.log.info("task_done", task_id=ack.task_id, note=ack.note)
+        if len(lost) < len(acks):
+            self._record(failed=False)
+
+    def _forget(self, task: Task) -> None:
+        self._forget_id(task.id)
+
+    def _forget_id(self, task_id: int) -> None:
+        self._held = [t for t in self._held if t.id != task_id]
+
     def _settle_error(self, task: Task, exc: object) -> None:
+        self._forget(task)
         message = f"{type(exc).__name__}: {exc}"
         try:
             self.queue.error(task.id, task.claim_token, message, worker=self.id)

@@ -32,10 +32,22 @@ from shared.states import TRANSITIONS, TaskStatus
 from shared.tasks import Task, TaskSpec
 from shared.transitions import COMPLETE_MANY_POSTGRES, HEARTBEAT, SETTLE
 
-__all__ = ["Clock", "Enqueued", "TaskQueue"]
+__all__ = ["Clock", "Completion", "Enqueued", "TaskQueue"]
 
 #: Routing decisions (rows of ``route_log``) recorded with the settle they led to.
 Routes = Sequence[Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One claim to acknowledge as done (see ``TaskQueue.complete_many``)."""
+
+    task_id: int
+    token: int
+    result: str | None = None
+    note: str | None = None
+    detail: Mapping[str, Any] | None = None
+    routes: Routes = ()
 
 
 @dataclass(frozen=True)
@@ -179,54 +191,60 @@ class TaskQueue(SweepOps):
             routes=routes,
         )
 
-    def complete_many(
-        self, items: Sequence[tuple[int, int, str | None]], *, worker: str | None = None
-    ) -> list[int]:
-        """Complete several claims ``(task_id, token, result)`` in one transaction.
+    def complete_many(self, items: Sequence[Completion], *, worker: str | None = None) -> list[int]:
+        """Complete several claims in one transaction (acknowledging a batch).
 
         Returns the ids whose guarded write matched nothing (claim superseded);
-        the others are done. On Postgres the batch is one UPDATE over unnest()ed arrays.
+        the others are done, with their events and routes. On Postgres the batch
+        is one UPDATE over unnest()ed arrays; on SQLite one UPDATE per task.
         """
 
         def work(conn: Connection) -> list[int]:
             now = self.clock()
             if self.db.dialect == "postgresql":
-                ids, tokens, results = (list(column) for column in zip(*items, strict=True))
-                params = {"p_ids": ids, "p_tokens": tokens, "p_results": results, "p_now": now}
+                params = {
+                    "p_ids": [c.task_id for c in items],
+                    "p_tokens": [c.token for c in items],
+                    "p_results": [c.result for c in items],
+                    "p_notes": [c.note for c in items],
+                    "p_now": now,
+                }
                 moved = set(conn.execute(COMPLETE_MANY_POSTGRES, params).scalars())
             else:
                 moved = {
-                    task_id
-                    for task_id, token, result in items
+                    c.task_id
+                    for c in items
                     if conn.execute(
                         SETTLE["complete"],
                         {
-                            "p_id": task_id,
-                            "p_token": token,
+                            "p_id": c.task_id,
+                            "p_token": c.token,
                             "p_now": now,
-                            "p_result": result,
-                            "p_note": None,
+                            "p_result": c.result,
+                            "p_note": c.note,
                         },
                     ).rowcount
                     == 1
                 }
+            done = [c for c in items if c.task_id in moved]
             events.record(
                 conn,
                 [
                     events.event(
-                        task_id,
+                        c.task_id,
                         "claimed",
                         "done",
                         now,
                         reason="done",
                         worker=worker,
-                        claim_token=token,
+                        claim_token=c.token,
+                        detail=c.detail,
                     )
-                    for task_id, token, _ in items
-                    if task_id in moved
+                    for c in done
                 ],
             )
-            return [task_id for task_id, _, _ in items if task_id not in moved]
+            events.record_routes(conn, [route for c in done for route in c.routes])
+            return [c.task_id for c in items if c.task_id not in moved]
 
         return self.db.write(work) if items else []
 
