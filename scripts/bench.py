@@ -25,8 +25,12 @@ Durability: SQLite in WAL mode with synchronous=FULL (every commit survives
 power loss) unless --sqlite-synchronous says otherwise; Postgres with its
 defaults (fsync on, synchronous_commit on).
 
-    python scripts/bench.py                       # both backends
-    python scripts/bench.py --backends sqlite --tasks 2000
+    python scripts/bench.py                       # both backends, and the comparison
+    python scripts/bench.py --backends sqlite --tasks 2000 --compare-tasks 0
+
+With ``pip install -e .[bench]`` the same no-op drain also runs through huey
+(SQLite), procrastinate and pgqueuer (PostgreSQL); see scripts/compare.py for
+the exact workload. Our figure is printed as a ratio to each.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from contextlib import contextmanager
 from multiprocessing.synchronize import Event
 from pathlib import Path
 
+import compare
 import psycopg
 import sqlalchemy as sa
 
@@ -169,32 +174,46 @@ def bench_cooldowns(db: Database) -> list[tuple[str, str]]:
     return rows
 
 
-def bench_workers(url: str, synchronous: str, processes: int, tasks: int) -> list[tuple[str, str]]:
-    """Real ``worker --drain`` processes (one task at a time) over no-op simulated tasks."""
+def worker_drain(
+    url: str, synchronous: str, processes: int, tasks: int, batch: int
+) -> tuple[float, int]:
+    """``processes`` real ``worker --drain --batch B`` processes over ``tasks`` no-op tasks:
+    (tasks/s from spawn to exit, peak RSS of one worker in KiB)."""
+    agent = f"wbench{uuid.uuid4().hex[:6]}"
     db = Database(url, sqlite_synchronous=synchronous)
     queue = TaskQueue(db)
     for start in range(0, tasks, 500):
-        queue.enqueue_many([spec(i, "wbench") for i in range(start, min(tasks, start + 500))])
+        queue.enqueue_many([spec(i, agent) for i in range(start, min(tasks, start + 500))])
     db.dispose()
     exe = str(Path(sys.executable).with_name("worker"))
     env = {**os.environ, "AGENTBUS_SQLITE_SYNCHRONOUS": synchronous}
+    argv = [exe, "--agent", agent, "--db", url, "--drain", "--batch", str(batch)]
     began = time.perf_counter()
-    procs = [
-        subprocess.Popen(
-            [exe, "--agent", "wbench", "--db", url, "--drain"], env=env, stderr=subprocess.DEVNULL
-        )
-        for _ in range(processes)
-    ]
+    procs = [subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL) for _ in range(processes)]
     peak_kib = 0
     while any(p.poll() is None for p in procs):
         for p in procs:
             peak_kib = max(peak_kib, _rss_kib(p.pid))
         time.sleep(0.05)
     elapsed = time.perf_counter() - began
-    return [
-        (f"worker processes, {processes} x drain {tasks} tasks", f"{tasks / elapsed:,.0f} tasks/s"),
-        ("worker RSS, peak", f"{peak_kib / 1024:,.1f} MiB"),
-    ]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("a worker failed")
+    return tasks / elapsed, peak_kib
+
+
+def bench_workers(url: str, synchronous: str, processes: int, tasks: int) -> list[tuple[str, str]]:
+    """Real worker processes over no-op simulated tasks, one at a time and in batches of 10."""
+    rows = []
+    for batch in (1, 10):
+        rate, peak_kib = worker_drain(url, synchronous, processes, tasks, batch)
+        rows.append(
+            (
+                f"worker processes, {processes} x drain {tasks:,} tasks, batch {batch}",
+                f"{rate:,.0f} tasks/s",
+            )
+        )
+    rows.append(("worker RSS, peak", f"{peak_kib / 1024:,.1f} MiB"))
+    return rows
 
 
 def bench_sweeper(url: str, synchronous: str, sizes: list[int]) -> list[tuple[str, str]]:
@@ -345,6 +364,12 @@ def main() -> None:
     parser.add_argument("--batches", default="1,10", help="claim batch sizes")
     parser.add_argument("--paused", default="10000,100000", help="paused tasks per sweep pass")
     parser.add_argument("--sqlite-synchronous", default="FULL")
+    parser.add_argument(
+        "--compare-tasks",
+        type=int,
+        default=10_000,
+        help="tasks per run of the side-by-side comparison (0 skips it)",
+    )
     args = parser.parse_args()
     configure(level="WARNING")  # the figures, not the jobs' chatter
 
@@ -354,11 +379,48 @@ def main() -> None:
             rows += [(backend, *row) for row in bench_backend(url, args)]
             print(f"# {backend} done", file=sys.stderr)
 
-    width = max(len(r[1]) for r in rows)
-    print(f"{'backend':<11} {'measure':<{width}} figure")
-    print(f"{'-' * 11} {'-' * width} {'-' * 16}")
-    for backend, measure, figure in rows:
-        print(f"{backend:<11} {measure:<{width}} {figure}")
+    print_table(["backend", "measure", "figure"], rows)
+    if args.compare_tasks:
+        print()
+        print_table(
+            ["backend", "queue (2 processes, no-op tasks)", "tasks/s", "agentbus ="],
+            compare_rows(args),
+        )
+
+
+def compare_rows(args: argparse.Namespace) -> list[tuple[str, ...]]:
+    """The same drain through other queues, when installed (pip install -e .[bench])."""
+    n, procs, sync = args.compare_tasks, 2, args.sqlite_synchronous
+    rows: list[tuple[str, ...]] = []
+    others = {
+        "sqlite": [("huey", "huey", compare.huey_sqlite)],
+        "postgresql": [
+            ("procrastinate", "procrastinate", compare.procrastinate_pg),
+            ("pgqueuer", "pgqueuer (asyncpg)", compare.pgqueuer_pg),
+        ],
+    }
+    for backend in args.backends.split(","):
+        with database(backend, sync) as url:
+            ours = {batch: worker_drain(url, sync, procs, n, batch)[0] for batch in (1, 10)}
+        for batch, rate in ours.items():
+            rows.append((backend, f"agentbus worker, batch {batch}", f"{rate:,.0f}", ""))
+        for module, label, run in others.get(backend, []):
+            if not (
+                compare.installed(module) and (module != "pgqueuer" or compare.installed("asyncpg"))
+            ):
+                rows.append((backend, label, "not installed (pip install -e .[bench])", ""))
+                continue
+            theirs = run(n, procs)
+            ratio = " / ".join(f"{ours[b] / theirs:.2f}x (batch {b})" for b in ours)
+            rows.append((backend, label, f"{theirs:,.0f}", ratio))
+        print(f"# {backend} compared", file=sys.stderr)
+    return rows
+
+
+def print_table(headers: list[str], rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(str(r[i])) for r in [tuple(headers), *rows]) for i in range(len(headers))]
+    for row in [tuple(headers), tuple("-" * w for w in widths), *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
 if __name__ == "__main__":

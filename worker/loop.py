@@ -10,9 +10,13 @@ period, and otherwise gives the task back to the queue.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from shared.config import Config
@@ -28,6 +32,32 @@ from worker import policy
 from worker.runner import Run, Runner
 
 log = get_logger("agentbus.worker")
+
+
+class CallThread:
+    """One long-lived daemon thread that runs the model calls of tasks in turn.
+
+    Cheaper than a thread per task, and a daemon: a call that outlives the
+    grace period on shutdown does not hold the process.
+    """
+
+    def __init__(self) -> None:
+        self._inbox: queue.SimpleQueue[tuple[Callable[[], Run], Future[Run]]] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="calls", daemon=True).start()
+
+    def submit(self, fn: Callable[[], Run]) -> Future[Run]:
+        future: Future[Run] = Future()
+        self._inbox.put((fn, future))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            fn, future = self._inbox.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:
+                    future.set_exception(exc)
 
 
 @dataclass(frozen=True)
@@ -65,6 +95,7 @@ class Worker:
         )
         self.stopping = threading.Event()
         self._last_beat = 0.0
+        self.calls = CallThread()
         self._held: list[Task] = []  # claimed by us and not yet settled in the database
         self._acks: list[Completion] = []  # done, to acknowledge with the batch
 
@@ -111,39 +142,38 @@ class Worker:
     # -- one task ------------------------------------------------------------
 
     def _process(self, task: Task) -> None:
-        log = self.log.bind(task_id=task.id)
-        log.info("claimed", agent=task.agent, attempts=task.attempts, token=task.claim_token)
+        self.log.debug("claimed", task_id=task.id, attempts=task.attempts, token=task.claim_token)
         self.registry.current_task = task.id
         self._beat_if_due(1.0)  # at most once a second: short tasks need no write each
-        box: dict[str, Run | BaseException] = {}
-
-        def target() -> None:
-            try:
-                box["run"] = self.runner.run(task)
-            except Exception as exc:  # a bug in our code or a handler: the task errors
-                box["error"] = exc
-                log.error("task_crashed", error=repr(exc), traceback=traceback.format_exc())
-
-        thread = threading.Thread(target=target, name=f"task-{task.id}", daemon=True)
-        thread.start()
+        call = self.calls.submit(lambda: self.runner.run(task))
         next_heartbeat = time.monotonic() + self.options.lease_sec / 3
         grace_ends: float | None = None
-        while thread.is_alive():
-            thread.join(0.1)
+        while True:
+            try:
+                result = call.result(timeout=0.1)
+                break
+            except FutureTimeout:
+                pass
+            except Exception as exc:  # a bug in our code or a handler: the task errors
+                self.log.error(
+                    "task_crashed",
+                    task_id=task.id,
+                    error=repr(exc),
+                    traceback="".join(traceback.format_exception(exc)),
+                )
+                self.registry.current_task = None
+                self._settle_error(task, exc)
+                return
             if self.stopping.is_set() and grace_ends is None:
                 grace_ends = time.monotonic() + self.options.grace_sec
-            if grace_ends is not None and time.monotonic() >= grace_ends and thread.is_alive():
-                self._release(task)
+            if grace_ends is not None and time.monotonic() >= grace_ends:
+                self._release(task)  # the call goes on in its daemon thread, unheard
                 return
-            if time.monotonic() >= next_heartbeat and thread.is_alive():
+            if time.monotonic() >= next_heartbeat:
                 next_heartbeat = time.monotonic() + self.options.lease_sec / 3
                 self._heartbeat(task)
         self.registry.current_task = None
-        result = box.get("run")
-        if isinstance(result, Run):
-            self._settle(task, result)
-        else:
-            self._settle_error(task, box.get("error"))
+        self._settle(task, result)
 
     def _heartbeat(self, _running: Task) -> None:
         """Renew the lease of every task we hold: the running one and those waiting."""

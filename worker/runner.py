@@ -99,7 +99,7 @@ class Runner:
             run.routes.append(route)
             match outcome:
                 case Succeeded(text=text, usage=usage):
-                    log.info("call_ok", task_id=task.id, model=model)
+                    log.debug("call_ok", task_id=task.id, model=model)
                     run.decision = policy.Complete(text, model, usage)
                     return run
                 case RateLimited() | TimedOut():
