@@ -45,6 +45,7 @@ class Settings:
     db_retry_sec: float = _doc(
         "How long a transient database error (locked, connection lost) is retried.", 30.0
     )
+    log_level: str = _doc("DEBUG shows every claim and call; INFO, WARNING or ERROR less.", "INFO")
     sqlite_busy_timeout_ms: int = _doc(
         "SQLite: how long a writer waits for the lock before retrying.", 5000
     )
@@ -177,6 +178,10 @@ class Settings:
             raise ConfigError(f"setting max_attempts must be at least 1, got {self.max_attempts}")
         if self.sqlite_busy_timeout_ms < 0:
             raise ConfigError("setting sqlite_busy_timeout_ms must not be negative")
+        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ConfigError(
+                f"setting log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}"
+            )
         if self.sqlite_synchronous.upper() not in {"OFF", "NORMAL", "FULL", "EXTRA"}:
             raise ConfigError(
                 f"setting sqlite_synchronous must be OFF, NORMAL, FULL or EXTRA, "

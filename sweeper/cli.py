@@ -32,8 +32,8 @@ def sweeper(
     log_json: bool,
 ) -> None:
     """Resume due pauses, rescue expired claims, demote 48 h pauses, purge cooldowns."""
-    configure(json=log_json)
     config = load_config(config_file, {"database_url": db_url, "sweep_interval_sec": interval_sec})
+    configure(json=log_json, level=config.settings.log_level.upper())
     db = Database.from_settings(config.settings)
     try:
         db.require_migrated()

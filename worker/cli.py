@@ -61,7 +61,6 @@ def worker(
     log_json: bool,
 ) -> None:
     """Claim and run the tasks of one agent, one at a time (or --batch N per claim)."""
-    configure(json=log_json)
     if not NAME_RE.match(agent):
         raise click.BadParameter(f"invalid agent name {agent!r}", param_hint="--agent")
     config = load_config(
@@ -74,6 +73,7 @@ def worker(
             "claim_batch": claim_batch,
         },
     )
+    configure(json=log_json, level=config.settings.log_level.upper())
     if config.catalog.agents and agent not in config.catalog.agents:
         raise ConfigError(
             f"unknown agent {agent!r}: {config.path} configures "
