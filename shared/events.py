@@ -15,6 +15,15 @@ from sqlalchemy.engine import Connection
 from shared.schema import route_log, task_events
 
 
+def storable(value: Any) -> Any:
+    """A string with NUL characters made storable (PostgreSQL text refuses NUL).
+
+    Model answers and error messages come from outside; one stray NUL must not
+    make a task impossible to settle.
+    """
+    return value.replace("\x00", "\ufffd") if isinstance(value, str) else value
+
+
 def record(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
     """Append events; each mapping has task_id, from_status, to_status, reason,
     worker, claim_token, at and detail."""
@@ -38,7 +47,7 @@ def event(
         "task_id": task_id,
         "from_status": from_status,
         "to_status": to_status,
-        "reason": reason,
+        "reason": storable(reason),
         "worker": worker,
         "claim_token": claim_token,
         "at": at,

@@ -256,3 +256,12 @@ def test_reentry_counts_repeat_pauses_on_the_same_model(queue: TaskQueue, clock:
     queue.complete(task.id, task.claim_token, "ok")
     done = queue.get(task_id)
     assert (done.reentry_count, done.first_paused_at) == (0, None)
+
+
+def test_nul_characters_from_outside_do_not_block_a_settle(queue: TaskQueue) -> None:
+    queue.enqueue_many([spec(text="a"), spec(text="b")])
+    first, second = queue.claim("codex", "w", 30, limit=2)
+    queue.complete(first.id, first.claim_token, "answer\x00with a NUL")
+    queue.fail(second.id, second.claim_token, "error\x00text")
+    assert queue.get(first.id).result == "answer\ufffdwith a NUL"
+    assert queue.get(second.id).last_error == "error\ufffdtext"

@@ -205,8 +205,8 @@ class TaskQueue(SweepOps):
                 params = {
                     "p_ids": [c.task_id for c in items],
                     "p_tokens": [c.token for c in items],
-                    "p_results": [c.result for c in items],
-                    "p_notes": [c.note for c in items],
+                    "p_results": [events.storable(c.result) for c in items],
+                    "p_notes": [events.storable(c.note) for c in items],
                     "p_now": now,
                 }
                 moved = set(conn.execute(COMPLETE_MANY_POSTGRES, params).scalars())
@@ -220,7 +220,7 @@ class TaskQueue(SweepOps):
                             "p_id": c.task_id,
                             "p_token": c.token,
                             "p_now": now,
-                            "p_result": c.result,
+                            "p_result": events.storable(c.result),
                             "p_note": c.note,
                         },
                     ).rowcount

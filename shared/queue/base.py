@@ -20,6 +20,10 @@ from shared.transitions import MOVE_MANY, SETTLE, claim_statement
 Clock = Callable[[], float]
 
 
+def text_safe(params: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: events.storable(value) for key, value in params.items()}
+
+
 class QueueBase:
     def __init__(self, db: Database, *, clock: Clock = time.time, max_attempts: int = 3) -> None:
         self.db = db
@@ -49,7 +53,7 @@ class QueueBase:
 
         def work(conn: Connection) -> None:
             now = self.clock()
-            full = {"p_id": task_id, "p_token": token, "p_now": now, **params}
+            full = {"p_id": task_id, "p_token": token, "p_now": now, **text_safe(params)}
             if conn.execute(SETTLE[action], full).rowcount != 1:
                 lease_checked = now if action.startswith("rescue") else None
                 self._reject(conn, task_id, action, token, lease_checked)
