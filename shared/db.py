@@ -124,6 +124,12 @@ class Database:
             return work(conn)
 
     def _retrying(self, fn: Callable[[], T]) -> T:
+        try:  # the common case pays nothing for the retry machinery
+            return fn()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            _log_first_failure(exc)
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(is_transient),
             stop=tenacity.stop_after_delay(self.retry_for),
@@ -182,6 +188,10 @@ class Database:
 def first_line(exc: BaseException | None) -> str:
     text = str(exc).strip() if exc is not None else ""
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _log_first_failure(exc: BaseException) -> None:
+    log.warning("db_retry", attempt=0, error=first_line(getattr(exc, "orig", exc)))
 
 
 def _log_retry(state: tenacity.RetryCallState) -> None:

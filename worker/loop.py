@@ -279,8 +279,9 @@ class Worker:
                     task_id=ack.task_id,
                     detail="the claim was superseded before the batch was acknowledged",
                 )
-            else:
-                self.log.info("task_done", task_id=ack.task_id, note=ack.note)
+        done = [ack.task_id for ack in acks if ack.task_id not in lost]
+        if done:  # one line per batch: short tasks at full speed must not flood the log
+            self.log.info("batch_done", tasks=len(done), task_ids=done)
         if len(lost) < len(acks):
             self._record(failed=False)
 

@@ -168,14 +168,23 @@ class Runner:
             created_at=task.created_at,
             payload=task.payload,
         )
+        outcome = provider.call(request)
+        if (
+            not (isinstance(outcome, Failed) and outcome.retryable)
+            or not self.settings.call_retries
+        ):
+            return outcome
+        # A retryable error: a few more tries in the call, waiting 1x, 2x, 4x … the base.
+        wait = self.settings.call_retry_wait_sec
+        time.sleep(wait)
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_result(lambda o: isinstance(o, Failed) and o.retryable),
-            stop=tenacity.stop_after_attempt(1 + self.settings.call_retries),
-            wait=tenacity.wait_exponential(multiplier=self.settings.call_retry_wait_sec),
+            stop=tenacity.stop_after_attempt(self.settings.call_retries),
+            wait=tenacity.wait_exponential(multiplier=2 * wait),
             retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
         )
-        outcome: Outcome = retrying(_call_once, provider, request)
-        return outcome
+        retried: Outcome = retrying(_call_once, provider, request)
+        return retried
 
 
 def outcome_name(outcome: Outcome) -> str:

@@ -125,7 +125,9 @@ class TaskQueue(SweepOps):
     def claim(self, agent: str, worker: str, lease_sec: float, limit: int = 1) -> list[Task]:
         """Claim up to ``limit`` due queued tasks of ``agent``: priority first, then age."""
 
-        def work(conn: Connection) -> list[Task]:
+        def work(conn: Connection) -> list[sa.RowMapping]:
+            # Keep the write transaction short (SQLite serializes writers on it):
+            # the rows become Task objects after the commit.
             now = self.clock()
             params = {
                 "p_agent": agent,
@@ -134,28 +136,26 @@ class TaskQueue(SweepOps):
                 "p_lease_until": now + lease_sec,
                 "p_limit": limit,
             }
-            tasks = sorted(
-                (Task.from_row(r._mapping) for r in conn.execute(self._claim, params)),
-                key=lambda task: (-task.priority, task.id),
-            )
+            rows = conn.execute(self._claim, params).mappings().all()
             events.record(
                 conn,
                 [
                     events.event(
-                        task.id,
+                        row["id"],
                         "queued",
                         "claimed",
                         now,
                         worker=worker,
-                        claim_token=task.claim_token,
+                        claim_token=row["claim_token"],
                         reason="claim",
                     )
-                    for task in tasks
+                    for row in rows
                 ],
             )
-            return tasks
+            return list(rows)
 
-        return self.db.write(work)
+        tasks = [Task.from_row(row) for row in self.db.write(work)]
+        return sorted(tasks, key=lambda task: (-task.priority, task.id))
 
     def heartbeat(self, task_id: int, token: int, lease_sec: float) -> float:
         """Extend the lease of a claim we hold; returns the new lease end."""
@@ -211,21 +211,26 @@ class TaskQueue(SweepOps):
                 }
                 moved = set(conn.execute(COMPLETE_MANY_POSTGRES, params).scalars())
             else:
-                moved = {
-                    c.task_id
+                batch = [
+                    {
+                        "p_id": c.task_id,
+                        "p_token": c.token,
+                        "p_now": now,
+                        "p_result": events.storable(c.result),
+                        "p_note": c.note,
+                    }
                     for c in items
-                    if conn.execute(
-                        SETTLE["complete"],
-                        {
-                            "p_id": c.task_id,
-                            "p_token": c.token,
-                            "p_now": now,
-                            "p_result": events.storable(c.result),
-                            "p_note": c.note,
-                        },
-                    ).rowcount
-                    == 1
-                }
+                ]
+                if conn.execute(SETTLE["complete"], batch).rowcount == len(items):
+                    moved = {c.task_id for c in items}  # one executemany: every claim held
+                else:  # some claim was superseded: the rows this statement finished
+                    tokens = {c.task_id: c.token for c in items}
+                    finished = conn.execute(
+                        sa.select(t.c.id, t.c.claim_token).where(
+                            t.c.id.in_(list(tokens)), t.c.status == "done", t.c.updated_at == now
+                        )
+                    ).all()
+                    moved = {i for i, token in finished if tokens[i] == token}
             done = [c for c in items if c.task_id in moved]
             events.record(
                 conn,
