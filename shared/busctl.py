@@ -12,6 +12,7 @@ import click
 
 from shared import cli, demo, kpi, reads
 from shared.config import Settings
+from shared.cooldowns import CooldownStore
 from shared.db import Database, migrate, redact
 from shared.queue import TaskQueue
 from shared.states import TaskStatus
@@ -206,6 +207,35 @@ def retry_cmd(c: Context, task_id: int) -> None:
     """Put a failed or errored task back on the queue."""
     c.queue().retry(task_id)
     click.echo(f"task {task_id} re-queued")
+
+
+@busctl.command("cooldowns")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_ctx
+def cooldowns_cmd(c: Context, as_json: bool) -> None:
+    """Models cooling down now: until when, why, and who set it."""
+    now = time.time()
+    rows = CooldownStore(c.database(), cache_sec=1e-9).details()
+    if as_json:
+        click.echo(
+            json.dumps([{**r, "seconds_left": r["cooldown_until"] - now} for r in rows], indent=2)
+        )
+        return
+    click.echo(
+        cli.table(
+            ["model", "until", "left", "reason", "set by"],
+            [
+                [
+                    r["model_id"],
+                    cli.fmt_time(r["cooldown_until"]),
+                    f"{r['cooldown_until'] - now:.0f}s",
+                    r["reason"],
+                    r["source"],
+                ]
+                for r in rows
+            ],
+        )
+    )
 
 
 @busctl.command("kpi")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -74,6 +75,22 @@ class CooldownStore:
         """Those of ``models`` cooling down now -> when each cooldown ends."""
         active = self.active()
         return {m: active[m] for m in models if m in active}
+
+    def details(self) -> list[dict[str, Any]]:
+        """Every active cooldown row (model, until, reason, source), soonest to end first."""
+        now = self.clock()
+        rows = self.db.read(
+            lambda conn: (
+                conn.execute(
+                    sa.select(mc.c.model_id, mc.c.cooldown_until, mc.c.reason, mc.c.source)
+                    .where(mc.c.cooldown_until > now)
+                    .order_by(mc.c.cooldown_until)
+                )
+                .mappings()
+                .all()
+            )
+        )
+        return [dict(r) for r in rows]
 
     def _refresh(self, now: float) -> None:
         started = self.timer()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from shared.cooldowns import CooldownStore
 from shared.db import Database
 from shared.queue import TaskQueue
 from shared.schema import metadata
@@ -178,3 +180,15 @@ def test_bad_config_file(tmp_path: Path, run_busctl: Run) -> None:
     assert_one_line_error(run_busctl("--config", str(cfg), "status"), contains="must be positive")
     cfg.write_text("leese_sec = 3\n")
     assert_one_line_error(run_busctl("--config", str(cfg), "status"), contains="unknown setting")
+
+
+def test_cooldowns_lists_the_active_ones(db_url: str, run_busctl: Run) -> None:
+    db = Database(db_url)
+    store = CooldownStore(db)
+    store.set("sim/live", time.time() + 600, reason="RateLimited", source="w1")
+    store.set("sim/over", time.time() - 1, reason="RateLimited", source="w1")
+    db.dispose()
+    shown = json.loads(run_busctl("--db", db_url, "cooldowns", "--json").stdout)
+    assert [(r["model_id"], r["source"]) for r in shown] == [("sim/live", "w1")]
+    assert 0 < shown[0]["seconds_left"] <= 600
+    assert "sim/live" in run_busctl("--db", db_url, "cooldowns").stdout
