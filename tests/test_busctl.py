@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import time
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
