@@ -1,22 +1,19 @@
 """The worker loop: claim -> run -> settle, one task at a time, for one agent.
 
-While a task runs (in a helper thread) the loop renews its lease and the
-worker's heartbeat. A pause is not a failure: only genuine failures count
-towards the backoff sleep, which a stop request interrupts. On SIGTERM the
-loop claims nothing more, lets the running call finish within the grace
-period, and otherwise gives the task back to the queue.
+The main thread makes the calls; while it does, a watchdog thread renews the
+leases of the tasks it holds and the worker's heartbeat. A pause is not a
+failure: only genuine failures count towards the backoff sleep, which a stop
+request interrupts. On SIGTERM the loop claims nothing more and lets the
+running call finish within the grace period; after that the watchdog gives
+the task back to the queue and ends the process.
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from shared.config import Config
@@ -32,32 +29,6 @@ from worker import policy
 from worker.runner import Run, Runner
 
 log = get_logger("agentbus.worker")
-
-
-class CallThread:
-    """One long-lived daemon thread that runs the model calls of tasks in turn.
-
-    Cheaper than a thread per task, and a daemon: a call that outlives the
-    grace period on shutdown does not hold the process.
-    """
-
-    def __init__(self) -> None:
-        self._inbox: queue.SimpleQueue[tuple[Callable[[], Run], Future[Run]]] = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name="calls", daemon=True).start()
-
-    def submit(self, fn: Callable[[], Run]) -> Future[Run]:
-        future: Future[Run] = Future()
-        self._inbox.put((fn, future))
-        return future
-
-    def _loop(self) -> None:
-        while True:
-            fn, future = self._inbox.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:
-                    future.set_exception(exc)
 
 
 @dataclass(frozen=True)
@@ -94,8 +65,10 @@ class Worker:
             ),
         )
         self.stopping = threading.Event()
+        self._finished = threading.Event()
         self._last_beat = 0.0
-        self.calls = CallThread()
+        self._lock = threading.Lock()  # guards _held and _running (the watchdog reads them)
+        self._running: Task | None = None  # the task whose call the main thread is in
         self._held: list[Task] = []  # claimed by us and not yet settled in the database
         self._acks: list[Completion] = []  # done, to acknowledge with the batch
 
@@ -106,6 +79,7 @@ class Worker:
 
     def run(self) -> int:
         self.registry.register()
+        threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
         self.log.info("worker_started", agent=self.options.agent, pid=os.getpid())
         processed = 0
         try:
@@ -124,7 +98,8 @@ class Worker:
                     self._beat_if_due()
                     self.stopping.wait(self.options.poll_sec)
                     continue
-                self._held = list(tasks)
+                with self._lock:
+                    self._held = list(tasks)
                 for task in tasks:
                     if self.stopping.is_set():
                         break
@@ -134,6 +109,7 @@ class Worker:
                 for task in list(self._held):  # claimed but not started: give them back
                     self._release(task)
         finally:
+            self._finished.set()
             self.registry.remove()
             self.providers.close()
             self.log.info("shutdown", processed=processed)
@@ -142,47 +118,67 @@ class Worker:
     # -- one task ------------------------------------------------------------
 
     def _process(self, task: Task) -> None:
+        """Run one task's calls here, in the main thread; the watchdog keeps its lease."""
         self.log.debug("claimed", task_id=task.id, attempts=task.attempts, token=task.claim_token)
         self.registry.current_task = task.id
         self._beat_if_due(1.0)  # at most once a second: short tasks need no write each
-        call = self.calls.submit(lambda: self.runner.run(task))
-        next_heartbeat = time.monotonic() + self.options.lease_sec / 3
-        grace_ends: float | None = None
-        while True:
-            try:
-                result = call.result(timeout=0.1)
-                break
-            except FutureTimeout:
-                pass
-            except Exception as exc:  # a bug in our code or a handler: the task errors
-                self.log.error(
-                    "task_crashed",
-                    task_id=task.id,
-                    error=repr(exc),
-                    traceback="".join(traceback.format_exception(exc)),
-                )
-                self.registry.current_task = None
-                self._settle_error(task, exc)
-                return
-            if self.stopping.is_set() and grace_ends is None:
-                grace_ends = time.monotonic() + self.options.grace_sec
-            if grace_ends is not None and time.monotonic() >= grace_ends:
-                self._release(task)  # the call goes on in its daemon thread, unheard
-                return
-            if time.monotonic() >= next_heartbeat:
-                next_heartbeat = time.monotonic() + self.options.lease_sec / 3
-                self._heartbeat(task)
+        with self._lock:
+            self._running = task
+        try:
+            result = self.runner.run(task)
+        except Exception as exc:  # a bug in our code or a handler: the task errors
+            self.log.error(
+                "task_crashed",
+                task_id=task.id,
+                error=repr(exc),
+                traceback="".join(traceback.format_exception(exc)),
+            )
+            self.registry.current_task = None
+            self._settle_error(task, exc)
+            return
+        finally:
+            with self._lock:
+                self._running = None
         self.registry.current_task = None
         self._settle(task, result)
 
-    def _heartbeat(self, _running: Task) -> None:
+    def _watch(self) -> None:
+        """The watchdog: renews the leases of held tasks while a call runs, and on
+        shutdown gives the running task back once the grace period is over."""
+        next_heartbeat = time.monotonic() + self.options.lease_sec / 3
+        grace_ends: float | None = None
+        while not self._finished.wait(0.1):
+            with self._lock:
+                running, held = self._running, list(self._held)
+            now = time.monotonic()
+            if self.stopping.is_set() and running is not None:
+                grace_ends = grace_ends or now + self.options.grace_sec
+                if now >= grace_ends:
+                    self._abandon(held)
+            if now >= next_heartbeat:
+                next_heartbeat = now + self.options.lease_sec / 3
+                if held:
+                    self._heartbeat(held)
+
+    def _abandon(self, held: list[Task]) -> None:
+        """The running call outlived the grace period: release what we hold and exit now."""
+        for task in held:
+            self._release(task)
+        self.registry.remove()
+        self.log.info("shutdown", reason="grace period over; the running call is abandoned")
+        os._exit(0)
+
+    def _heartbeat(self, held: list[Task]) -> None:
         """Renew the lease of every task we hold: the running one and those waiting."""
-        for task in list(self._held):
+        for task in held:
             try:
                 self.queue.heartbeat(task.id, task.claim_token, self.options.lease_sec)
             except TransitionRejected as exc:
-                self.log.warning("claim_lost", task_id=task.id, detail=exc.message)
-                self._held.remove(task)
+                with self._lock:
+                    still_ours = task in self._held
+                if still_ours:  # not merely settled by the main thread meanwhile
+                    self.log.warning("claim_lost", task_id=task.id, detail=exc.message)
+                    self._forget(task)
         self._beat()
 
     def _release(self, task: Task) -> None:
@@ -289,7 +285,8 @@ class Worker:
         self._forget_id(task.id)
 
     def _forget_id(self, task_id: int) -> None:
-        self._held = [t for t in self._held if t.id != task_id]
+        with self._lock:
+            self._held = [t for t in self._held if t.id != task_id]
 
     def _settle_error(self, task: Task, exc: object) -> None:
         self._forget(task)
