@@ -12,6 +12,7 @@ ordinary settings (environment variables of the children), nothing else.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -195,15 +196,27 @@ class Demo:
         )
         self.echo(render_kpis(kpis))
         path = self.url.removeprefix("sqlite:///")
+        busctl = _command("busctl")
         self.echo(
             "\nLook around:\n"
-            f"  busctl --db {self.url} tasks --status done\n"
-            f"  busctl --db {self.url} show 1\n"
-            f"  busctl --db {self.url} kpi\n"
+            f"  {busctl} --db {self.url} tasks --status done\n"
+            f"  {busctl} --db {self.url} show 1\n"
+            f"  {busctl} --db {self.url} kpi\n"
             + (f"  sqlite3 {path} < scripts/kpi.sql\n" if self.url.startswith("sqlite") else "")
         )
         ok = finished and done == total and kpis[0].passed is not False and kpis[3].passed
         return 0 if ok else 1
+
+
+def _command(name: str) -> str:
+    """How the user can type one of our commands: bare if on PATH, else its path."""
+    exe = Path(sys.executable).with_name(name)
+    if shutil.which(name) == str(exe):
+        return name
+    try:
+        return str(exe.relative_to(Path.cwd()))
+    except ValueError:
+        return str(exe)
 
 
 def default_url(workdir: Path) -> str:
