@@ -96,7 +96,12 @@ class Database:
             self.engine = _sqlite_engine(self.url, sqlite_busy_timeout_ms, sqlite_synchronous)
         else:
             self.engine = sa.create_engine(self.url, pool_size=pool_size, max_overflow=pool_size)
-        self._read_engine = self.engine.execution_options(agentbus_read_only=True)
+        if self.dialect == "postgresql":
+            # A read is one statement or a report: autocommit spares BEGIN and COMMIT
+            # (two of the three round trips of a lone SELECT).
+            self._read_engine = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        else:
+            self._read_engine = self.engine.execution_options(agentbus_read_only=True)
 
     @classmethod
     def from_settings(cls, settings: Any) -> Database:
