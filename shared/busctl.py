@@ -47,7 +47,7 @@ pass_ctx = click.make_pass_decorator(Context)
 @click.pass_context
 def busctl(ctx: click.Context, db_url: str | None, config_file: str | None) -> None:
     """Administer an agentbus queue: migrate, enqueue, inspect, retry."""
-    settings = cli.load_settings(config_file, database_url=db_url)
+    settings = Settings.load(config_file, {"database_url": db_url})
     ctx.obj = Context(settings)
     ctx.call_on_close(lambda: ctx.obj._db.dispose() if ctx.obj._db else None)
 
@@ -249,24 +249,7 @@ def kpi_cmd(c: Context, since: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"since": start, "kpis": [k.as_dict() for k in kpis]}, indent=2))
         return
-    click.echo(render_kpis(kpis))
-
-
-def render_kpis(kpis: list[kpi.Kpi]) -> str:
-    marks = {True: "PASS", False: "FAIL", None: "-"}
-    rows = [
-        [
-            k.number,
-            k.name,
-            k.shown(),
-            k.target,
-            marks[k.passed],
-            f"{k.numerator}/{k.denominator}",
-            k.meaning,
-        ]
-        for k in kpis
-    ]
-    return cli.table(["#", "kpi", "value", "target", "", "counts", "what is counted"], rows)
+    click.echo(kpi.render(kpis))
 
 
 @busctl.command("demo")

@@ -17,7 +17,6 @@ from typing import Any
 import click
 import sqlalchemy as sa
 
-from shared.config import Settings
 from shared.db import first_line
 from shared.errors import BusError
 
@@ -60,10 +59,6 @@ def on_stop_signals(stop: Callable[[str], None]) -> None:
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
-
-
-def load_settings(config: str | None, **overrides: Any) -> Settings:
-    return Settings.load(config, overrides)
 
 
 def db_option(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -183,8 +183,6 @@ class Demo:
         self.children = []
 
     def _report(self, db: Database, finished: bool, total: int) -> int:
-        from shared.busctl import render_kpis
-
         kpis = kpi.compute(db)
         counts = reads.counts(db)
         done = sum(n for (status, _), n in counts.items() if status == "done")
@@ -194,7 +192,7 @@ class Demo:
             f"{kpis[0].numerator} paused on a cooldown instead of failing, "
             f"{kpis[1].denominator} resumed by the sweeper\n"
         )
-        self.echo(render_kpis(kpis))
+        self.echo(kpi.render(kpis))
         path = self.url.removeprefix("sqlite:///")
         busctl = _command("busctl")
         self.echo(

@@ -13,6 +13,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from shared.cli import table
 from shared.db import Database
 from shared.errors import BusError
 
@@ -82,6 +83,24 @@ def compute(db: Database, since: float | None = None) -> list[Kpi]:
         return out
 
     return db.read(work)
+
+
+def render(kpis: list[Kpi]) -> str:
+    """The KPI table for people: value, target, pass/fail and the counts behind it."""
+    marks = {True: "PASS", False: "FAIL", None: "-"}
+    rows = [
+        [
+            k.number,
+            k.name,
+            k.shown(),
+            k.target,
+            marks[k.passed],
+            f"{k.numerator}/{k.denominator}",
+            k.meaning,
+        ]
+        for k in kpis
+    ]
+    return table(["#", "kpi", "value", "target", "", "counts", "what is counted"], rows)
 
 
 def parse_duration(text: str) -> float:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
@@ -24,10 +23,3 @@ def add(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
     conn.execute(
         insert(ops_todos).on_conflict_do_nothing(index_elements=["kind", "task_id"]), list(rows)
     )
-
-
-def open_todos(conn: Connection) -> list[dict[str, Any]]:
-    rows = conn.execute(
-        sa.select(ops_todos).where(ops_todos.c.resolved_at.is_(None)).order_by(ops_todos.c.id)
-    )
-    return [dict(r._mapping) for r in rows]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,7 +203,3 @@ def _row_problem(payload: Any, models: Any) -> str | None:
     ):
         return "the model chain is not a JSON list of model ids"
     return None
-
-
-def sequence_or_none(value: Sequence[str] | None) -> tuple[str, ...] | None:
-    return tuple(value) if value is not None else None

@@ -133,7 +133,7 @@ def test_command_provider(tmp_path: Path) -> None:
     assert coded.call(request()) == RateLimited("cli: exit 75", overloaded=True)
     other = command(tmp_path, "sys.exit(3)")
     assert other.call(request()) == Failed("cli: exit 3", retryable=True)
-    slow = command(tmp_path, "import time; time.sleep(5)", timeout_sec=0.3)
+    slow = command(tmp_path, "sys.stdin.read(); import signal; signal.pause()", timeout_sec=0.3)
     assert isinstance(slow.call(request()), TimedOut)
     cat = Catalog.from_doc({"providers": {"cli": {"kind": "command", "argv": ["/no/such/bin"]}}})
     missing = CommandProvider(cat.providers["cli"]).call(request())
