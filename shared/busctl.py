@@ -113,18 +113,51 @@ def enqueue_cmd(
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
 def status_cmd(c: Context, as_json: bool) -> None:
-    """Task counts by status and agent."""
+    """Task counts by status and agent, today's usage, and the providers' circuits."""
     counts = reads.counts(c.database())
     agents = sorted({agent for _, agent in counts})
     statuses = [s.value for s in TaskStatus]
+    now = time.time()
+    used = reads.usage_by_day(c.database(), now)
+    circuits = reads.circuit_states(c.database())
     if as_json:
         by_agent = {a: {s: counts[(s, a)] for s in statuses} for a in agents}
         totals = {s: sum(counts[(s, a)] for a in agents) for s in statuses}
-        click.echo(json.dumps({"tasks": by_agent, "totals": totals}, indent=2))
+        doc = {"tasks": by_agent, "totals": totals, "usage_today": used, "circuits": circuits}
+        click.echo(json.dumps(doc, indent=2))
         return
     rows = [[a, *(counts[(s, a)] for s in statuses)] for a in agents]
     rows.append(["(all)", *(sum(counts[(s, a)] for a in agents) for s in statuses)])
     click.echo(cli.table(["agent", *statuses], rows))
+    s = c.settings
+    tokens = sum(int(u["tokens"] or 0) for u in used)
+    cost = sum(float(u["cost"] or 0) for u in used)
+    budget = f" of {s.daily_token_budget:,}" if s.daily_token_budget else ""
+    cost_budget = f" of {s.daily_cost_budget:g}" if s.daily_cost_budget else ""
+    click.echo(f"\nusage today (UTC): {tokens:,} tokens{budget}, cost {cost:.4f}{cost_budget}")
+    if used:
+        click.echo(
+            cli.table(
+                ["model", "calls", "tokens", "cost"],
+                [[u["model"], u["calls"], u["tokens"], f"{u['cost']:.4f}"] for u in used],
+            )
+        )
+    if circuits:
+        click.echo("\ncircuits:")
+        click.echo(
+            cli.table(
+                ["provider", "state", "failures in a row", "open until"],
+                [
+                    [
+                        r["provider"],
+                        r["state"],
+                        r["consecutive_failures"],
+                        cli.fmt_time(r["open_until"]) if r["open_until"] else "",
+                    ]
+                    for r in circuits
+                ],
+            )
+        )
 
 
 @busctl.command("show")
@@ -236,6 +269,42 @@ def cooldowns_cmd(c: Context, as_json: bool) -> None:
             ],
         )
     )
+
+
+@busctl.command("routes")
+@click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
+@click.option("--task", "task_id", type=int, help="Only the decisions for this task.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_ctx
+def routes_cmd(c: Context, limit: int, task_id: int | None, as_json: bool) -> None:
+    """Routing history: every candidate a worker considered, and what came of it."""
+    rows = reads.routes(c.database(), limit=limit, task_id=task_id)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, default=str))
+        return
+    table = []
+    for r in rows:
+        why = r["outcome"] or r["code"] or ""
+        if r["retry_after"]:
+            why += f" until {cli.fmt_time(r['retry_after'])}"
+        table.append(
+            [
+                cli.fmt_time(r["at"]),
+                r["task_id"],
+                r["role"] or "",
+                (r["fallback_from"] or "") and f"<- {r['fallback_from']}",
+                r["provider"] or "",
+                r["model"],
+                r["account"] or "",
+                r["decision"],
+                why,
+                r["prompt_tokens"] + r["completion_tokens"]
+                if r["prompt_tokens"] is not None
+                else "",
+            ]
+        )
+    headers = ["at", "task", "role", "fallback", "provider", "model", "account", "decision"]
+    click.echo(cli.table([*headers, "outcome", "tokens"], table))
 
 
 @busctl.command("kpi")

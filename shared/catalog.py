@@ -1,23 +1,37 @@
-"""The model catalog: providers, the models they serve, and the chains of roles and agents.
+"""The model catalog: providers and their accounts, models, roles and agents.
 
-Read from the tables of the config file::
+Read from the tables of the config file (``agentbus.example.toml`` documents
+every key)::
 
-    [providers.openai-main]          # kind = "openai" | "command"
+    [providers.openai-main]          # kind = "openai" | "command" | "simulated"
     kind = "openai"
     base_url = "https://api.openai.com/v1"
-    api_key_env = "OPENAI_API_KEY"   # the NAME of the variable holding the key
+    concurrency = 20                 # calls in flight, shared by its accounts
+    rpm = 500                        # per account, on a sliding 60 s window
+    [providers.openai-main.accounts.team-a]
+    key_env = "OPENAI_KEY_A"         # the NAME of the variable holding the key
 
     [models."gpt-4o"]
     provider = "openai-main"
+    bulkhead = "heavy"
+
+    [bulkheads]
+    heavy = 10
 
     [roles.coder]
-    models = ["gpt-4o", "sim/backup"]
+    candidates = ["gpt-4o", { model = "sim/backup" }]
+    fallback = "general"
 
     [agents.codex]
     role = "coder"                   # or: models = [...]
+    rate = 50                        # calls per rate_window_sec (1 s)
 
-Model ids that start with ``sim/`` are the simulated provider's and need no
-entry. Every problem is one ConfigError naming where it is.
+    [routing]
+    default_role = "general"         # for tasks that name a role not configured
+
+Model ids that start with ``sim/`` and are not listed belong to the simulated
+provider ``sim`` (unlimited unless ``[providers.sim]`` sets limits). Every
+problem is one ConfigError naming where it is (see ``shared.catalog_toml``).
 """
 
 from __future__ import annotations
@@ -25,14 +39,20 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from shared.errors import ConfigError
-from shared.tasks import NAME_RE
 
 SIMULATED_PREFIX = "sim/"
-PROVIDER_KINDS = ("openai", "command")
+SIM_PROVIDER = "sim"
+PROVIDER_KINDS = ("openai", "command", "simulated")
 OUTCOME_NAMES = ("rate_limited", "overloaded", "timeout", "auth", "retryable", "permanent")
+
+
+@dataclass(frozen=True)
+class AccountConfig:
+    name: str  # "" for a provider without named accounts
+    key_env: str | None = None  # None: the account needs no key
+    rpm: int | None = None
 
 
 @dataclass(frozen=True)
@@ -40,11 +60,25 @@ class ProviderConfig:
     name: str
     kind: str
     base_url: str | None = None
-    api_key_env: str | None = None
     argv: tuple[str, ...] = ()
     timeout_sec: float | None = None
     exit_codes: Mapping[int, str] = field(default_factory=dict)
     stderr_patterns: Mapping[str, re.Pattern[str]] = field(default_factory=dict)
+    accounts: tuple[AccountConfig, ...] = (AccountConfig(""),)
+    concurrency: int | None = None
+    circuit: bool = True
+
+    @property
+    def endpoint(self) -> str:
+        """What the circuit breaker is keyed by besides the name: an edited one starts fresh."""
+        return self.base_url or " ".join(self.argv) or self.kind
+
+    def account(self, name: str) -> AccountConfig | None:
+        return next((a for a in self.accounts if a.name == name), None)
+
+
+#: The provider of unlisted ``sim/`` models when the config does not set one up.
+IMPLICIT_SIM = ProviderConfig(SIM_PROVIDER, "simulated", circuit=False)
 
 
 @dataclass(frozen=True)
@@ -52,22 +86,80 @@ class ModelConfig:
     id: str
     provider: str
     upstream: str  # the name the provider knows the model by
+    bulkhead: str | None = None
+    input_cost_per_1k: float = 0.0
+    output_cost_per_1k: float = 0.0
+
+
+@dataclass(frozen=True)
+class CandidateSpec:
+    """One entry of a role: a model, optionally pinned to one account of its provider."""
+
+    model: str
+    account: str | None = None
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    name: str
+    candidates: tuple[CandidateSpec, ...]
+    fallback: str | None = None
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    name: str
+    role: str | None = None
+    models: tuple[str, ...] = ()
+    rate: int | None = None  # calls per rate_window_sec, across every worker of the agent
+    rate_window_sec: float = 1.0
 
 
 @dataclass(frozen=True)
 class Catalog:
     providers: Mapping[str, ProviderConfig] = field(default_factory=dict)
     models: Mapping[str, ModelConfig] = field(default_factory=dict)
-    roles: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    agents: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    roles: Mapping[str, RoleConfig] = field(default_factory=dict)
+    agents: Mapping[str, AgentConfig] = field(default_factory=dict)
+    bulkheads: Mapping[str, int] = field(default_factory=dict)
+    default_role: str | None = None  # what a task naming an unconfigured role runs as
 
     def knows(self, model: str) -> bool:
         return model.startswith(SIMULATED_PREFIX) or model in self.models
 
+    def model(self, model_id: str) -> ModelConfig:
+        """The model's config; an unlisted ``sim/`` model belongs to the ``sim`` provider."""
+        found = self.models.get(model_id)
+        if found is not None:
+            return found
+        if model_id.startswith(SIMULATED_PREFIX):
+            return ModelConfig(model_id, SIM_PROVIDER, model_id)
+        raise ConfigError(f"unknown model {model_id!r} (not sim/… and not in [models])")
+
+    def provider(self, name: str) -> ProviderConfig:
+        if name == SIM_PROVIDER and name not in self.providers:
+            return IMPLICIT_SIM
+        return self.providers[name]
+
+    def role_chain(self, role: str) -> list[tuple[RoleConfig, str | None]]:
+        """A role and the roles its fallbacks lead to, each with the role it fell back from."""
+        origin: str | None = None
+        if role not in self.roles:
+            if self.default_role is None:
+                raise ConfigError(f"unknown role {role!r}")
+            origin, role = role, self.default_role  # [routing] default_role
+        chain: list[tuple[RoleConfig, str | None]] = []
+        current: str | None = role
+        while current is not None and all(r.name != current for r, _ in chain):
+            config = self.roles[current]
+            chain.append((config, origin))
+            origin, current = current, config.fallback
+        return chain
+
     def chain_for(
         self, *, models: tuple[str, ...] | None, role: str | None, agent: str
     ) -> tuple[str, ...]:
-        """The model chain of a task: its own list, else its role's, else its agent's.
+        """The model ids a task may run on, in order (fallback roles included).
 
         Raises ConfigError (which fails the task with that reason) when there
         is none or a model is unknown.
@@ -75,136 +167,28 @@ class Catalog:
         if models:
             chain = models
         elif role is not None:
-            if role not in self.roles:
-                raise ConfigError(f"unknown role {role!r}")
-            chain = self.roles[role]
+            chain = self._role_models(role)
         elif agent in self.agents:
-            chain = self.agents[agent]
+            config = self.agents[agent]
+            chain = self._role_models(config.role) if config.role else config.models
         else:
             raise ConfigError(
                 f"no model chain for agent {agent!r}: give the task --models "
                 f"or --role, or configure [agents.{agent}]"
             )
-        unknown = [m for m in chain if not self.knows(m)]
-        if unknown:
-            raise ConfigError(f"unknown model {unknown[0]!r} (not sim/… and not in [models])")
+        for model in chain:
+            self.model(model)  # raises for an unknown one
         return chain
 
+    def _role_models(self, role: str) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for config, _ in self.role_chain(role):
+            for spec in config.candidates:
+                seen.setdefault(spec.model)
+        return tuple(seen)
+
     @classmethod
-    def from_doc(cls, doc: Mapping[str, Any]) -> Catalog:
-        providers = {name: _provider(name, body) for name, body in _table(doc, "providers")}
-        models = {}
-        for model_id, body in _table(doc, "models"):
-            where = f"[models.{model_id!r}]"
-            _only(body, where, {"provider", "name"})
-            provider = body.get("provider")
-            if provider not in providers:
-                raise ConfigError(f"{where}: unknown provider {provider!r}")
-            models[model_id] = ModelConfig(model_id, provider, _str(body, "name", where, model_id))
-        catalog = cls(providers, models)
-        roles = {
-            name: _chain(catalog, body, f"[roles.{name}]") for name, body in _table(doc, "roles")
-        }
-        agents = {}
-        for name, body in _table(doc, "agents"):
-            where = f"[agents.{name}]"
-            if ("role" in body) == ("models" in body):
-                raise ConfigError(f"{where}: give either role or models")
-            if "role" in body:
-                _only(body, where, {"role"})
-                if body["role"] not in roles:
-                    raise ConfigError(f"{where}: unknown role {body['role']!r}")
-                agents[name] = roles[body["role"]]
-            else:
-                agents[name] = _chain(catalog, body, where)
-        return cls(providers, models, roles, agents)
+    def from_doc(cls, doc: Mapping[str, object]) -> Catalog:
+        from shared.catalog_toml import parse
 
-
-def _table(doc: Mapping[str, Any], key: str) -> list[tuple[str, Mapping[str, Any]]]:
-    section = doc.get(key, {})
-    if not isinstance(section, dict):
-        raise ConfigError(f"[{key}] must be a table")
-    for name, body in section.items():
-        if not NAME_RE.match(name):
-            raise ConfigError(f"[{key}]: invalid name {name!r}")
-        if not isinstance(body, dict):
-            raise ConfigError(f"[{key}.{name}] must be a table")
-    return list(section.items())
-
-
-def _only(body: Mapping[str, Any], where: str, allowed: set[str]) -> None:
-    extra = sorted(set(body) - allowed)
-    if extra:
-        raise ConfigError(f"{where}: unknown key {extra[0]!r}")
-
-
-def _str(body: Mapping[str, Any], key: str, where: str, default: str | None = None) -> str:
-    value = body.get(key, default)
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{where}: {key} must be a non-empty string")
-    return value
-
-
-def _chain(catalog: Catalog, body: Mapping[str, Any], where: str) -> tuple[str, ...]:
-    _only(body, where, {"models"})
-    chain = body.get("models")
-    if not isinstance(chain, list) or not chain or not all(isinstance(m, str) for m in chain):
-        raise ConfigError(f"{where}: models must be a non-empty list of model ids")
-    for model in chain:
-        if not catalog.knows(model):
-            raise ConfigError(f"{where}: unknown model {model!r}")
-    if len(set(chain)) != len(chain):
-        raise ConfigError(f"{where}: a model is listed twice")
-    return tuple(chain)
-
-
-def _provider(name: str, body: Mapping[str, Any]) -> ProviderConfig:
-    where = f"[providers.{name}]"
-    kind = body.get("kind")
-    if kind not in PROVIDER_KINDS:
-        raise ConfigError(f"{where}: kind must be one of {', '.join(PROVIDER_KINDS)}")
-    timeout = body.get("timeout_sec")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ConfigError(f"{where}: timeout_sec must be a positive number")
-    if kind == "openai":
-        _only(body, where, {"kind", "base_url", "api_key_env", "timeout_sec"})
-        base_url = _str(body, "base_url", where)
-        if not base_url.startswith(("http://", "https://")):
-            raise ConfigError(f"{where}: base_url must start with http:// or https://")
-        return ProviderConfig(
-            name,
-            kind,
-            base_url=base_url.rstrip("/"),
-            api_key_env=_str(body, "api_key_env", where),
-            timeout_sec=timeout,
-        )
-    _only(body, where, {"kind", "argv", "timeout_sec", "exit_codes", "stderr_patterns"})
-    argv = body.get("argv")
-    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-        raise ConfigError(f"{where}: argv must be a non-empty list of strings")
-    codes: dict[int, str] = {}
-    for code, outcome in dict(body.get("exit_codes", {})).items():
-        if not str(code).lstrip("-").isdigit() or outcome not in OUTCOME_NAMES:
-            raise ConfigError(
-                f"{where}: exit_codes maps an exit code to one of {', '.join(OUTCOME_NAMES)}"
-            )
-        codes[int(code)] = outcome
-    patterns: dict[str, re.Pattern[str]] = {}
-    for outcome, pattern in dict(body.get("stderr_patterns", {})).items():
-        if outcome not in OUTCOME_NAMES or not isinstance(pattern, str):
-            raise ConfigError(
-                f"{where}: stderr_patterns maps one of {', '.join(OUTCOME_NAMES)} "
-                "to a regular expression"
-            )
-        try:
-            patterns[outcome] = re.compile(pattern, re.IGNORECASE)
-        except re.error as exc:
-            raise ConfigError(f"{where}: stderr_patterns.{outcome} is not a regex: {exc}") from None
-    return ProviderConfig(
-        name,
-        kind,
-        argv=tuple(argv),
-        timeout_sec=timeout,
-        exit_codes=codes,
-        stderr_patterns=patterns,
-    )
+        return parse(doc)

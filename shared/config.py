@@ -12,14 +12,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shared.catalog import Catalog
+from shared.catalog_toml import SECTIONS
 from shared.errors import ConfigError
+from shared.logging import get_logger
+
+log = get_logger("agentbus.config")
 
 ENV_PREFIX = "AGENTBUS_"
 DEFAULT_DATABASE_URL = "sqlite:///ops_multiagent.db"
@@ -104,6 +109,45 @@ class Settings:
     worker_stale_sec: float = _doc(
         "A worker row without a heartbeat this long is pruned (after its tasks are rescued).", 600.0
     )
+    global_concurrency: int = _doc(
+        "Model calls in flight at once across every process (0: no limit).", 0
+    )
+    daily_token_budget: int = _doc(
+        "Tokens per UTC day across every model; at the threshold new calls wait for the next "
+        "day (0: no budget).",
+        0,
+    )
+    daily_cost_budget: float = _doc(
+        "Cost per UTC day (in the unit of the models' prices); like daily_token_budget.", 0.0
+    )
+    rpm_window_sec: float = _doc(
+        "The sliding window of the providers' rpm limits (60: requests per minute).", 60.0
+    )
+    admission_wait_ms: float = _doc(
+        "How long a call waits for a concurrency or bulkhead slot before it is refused.", 200.0
+    )
+    admission_recheck_sec: float = _doc(
+        "When a refusal cannot know when it ends (slots in use, a probe in flight), "
+        "the task is paused this long.",
+        2.0,
+    )
+    circuit_window_sec: float = _doc("The circuit breaker's sliding window of calls.", 10.0)
+    circuit_failure_rate: float = _doc(
+        "Failure share in the window (with circuit_min_calls) that opens the circuit.", 0.5
+    )
+    circuit_min_calls: int = _doc("Calls in the window before the failure share counts.", 5)
+    circuit_consecutive_failures: int = _doc(
+        "Consecutive failures of a provider endpoint that open its circuit.", 5
+    )
+    circuit_open_sec: float = _doc(
+        "How long an open circuit refuses calls before one probe may go through.", 30.0
+    )
+    config_check_sec: float = _doc(
+        "How often a worker looks whether its config file changed (then reloads it).", 1.0
+    )
+    route_retention_sec: float = _doc(
+        "Routing history rows are deleted after this long (0 keeps them).", 604800.0
+    )
     done_retention_sec: float = _doc(
         "Done tasks and their events are deleted after this long (0 keeps them).", 604800.0
     )
@@ -170,7 +214,17 @@ class Settings:
         for name in ("sweep_batch", "reentry_limit", "rescue_limit", "claim_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name} must be at least 1")
-        for name in ("done_retention_sec", "failed_retention_sec"):
+        for name in ("global_concurrency", "daily_token_budget", "daily_cost_budget"):
+            if not getattr(self, name) >= 0 or not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"setting {name} must be 0 (no limit) or a positive number")
+        if not 0 < self.circuit_failure_rate <= 1:
+            raise ConfigError("setting circuit_failure_rate must be above 0 and at most 1")
+        if not self.admission_wait_ms >= 0 or not math.isfinite(self.admission_wait_ms):
+            raise ConfigError("setting admission_wait_ms must not be negative")
+        for name in ("circuit_min_calls", "circuit_consecutive_failures"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"setting {name} must be at least 1")
+        for name in ("done_retention_sec", "failed_retention_sec", "route_retention_sec"):
             if not getattr(self, name) >= 0 or not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"setting {name} must be 0 (keep) or a positive number")
         self.backoff_steps()  # parses, or raises ConfigError
@@ -229,9 +283,12 @@ POSITIVE = (
     "demote_after_sec",
     "reentry_hold_sec",
     "worker_stale_sec",
+    "rpm_window_sec",
+    "admission_recheck_sec",
+    "circuit_window_sec",
+    "circuit_open_sec",
+    "config_check_sec",
 )
-#: Tables of the config file that are not settings (see shared.catalog).
-SECTIONS = ("providers", "models", "roles", "agents")
 
 
 @dataclass(frozen=True)
@@ -241,6 +298,48 @@ class Config:
     settings: Settings
     catalog: Catalog
     path: Path | None
+
+
+class ConfigWatcher:
+    """Notices that the config file changed (time and size) and reads it again (S-47).
+
+    ``load`` builds the config the way the process did at start (same flags).
+    A file that no longer reads is reported and the running config kept.
+    """
+
+    def __init__(self, config: Config, load: Callable[[], Config]) -> None:
+        self.config = config
+        self.load = load
+        self._seen = _stamp(config.path)
+        self._checked = time.monotonic()
+
+    def changed(self) -> Config | None:
+        """The new config if the file changed since the last look, else None."""
+        now = time.monotonic()
+        if self.config.path is None or now - self._checked < self.config.settings.config_check_sec:
+            return None
+        self._checked = now
+        stamp = _stamp(self.config.path)
+        if stamp == self._seen:
+            return None
+        self._seen = stamp
+        try:
+            self.config = self.load()
+        except ConfigError as exc:
+            log.error("config_reload_failed", path=str(self.config.path), error=exc.message)
+            return None
+        log.info("config_reloaded", path=str(self.config.path))
+        return self.config
+
+
+def _stamp(path: Path | None) -> tuple[int, int] | None:
+    if path is None:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size)
 
 
 def config_path(config_file: str | Path | None, env: Mapping[str, str]) -> Path | None:

@@ -48,7 +48,7 @@ class Plan:
     timeout: float = 120.0
 
 
-QUICK = Plan(tasks=15, limited_for=3.0, cooldown=1.0, slow_ms=100, timeout=60.0)
+QUICK = Plan(tasks=15, limited_for=5.0, cooldown=1.0, slow_ms=100, timeout=60.0)
 
 
 def enqueue_tasks(queue: TaskQueue, plan: Plan, started: float) -> list[int]:

@@ -12,6 +12,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from shared.admission import usage
 from shared.schema import route_log, task_events
 
 
@@ -64,7 +65,9 @@ def for_task(conn: Connection, task_id: int) -> list[dict[str, Any]]:
 
 
 def record_routes(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
-    """Append routing decisions (see ``shared.schema.route_log``) with the settle they led to."""
+    """Append routing decisions (see ``shared.schema.route_log``) with the settle they led to,
+    and add their calls' usage to the ledger."""
     batch = [dict(r) for r in rows]
     if batch:
         conn.execute(sa.insert(route_log), batch)
+        usage.record(conn, batch)

@@ -8,9 +8,11 @@ from typing import Any
 import sqlalchemy as sa
 
 from shared import events
+from shared.admission import usage
 from shared.db import Database
 from shared.errors import TaskNotFound
 from shared.schema import bus_commands as t
+from shared.schema import circuits, route_log
 from shared.tasks import Task
 
 
@@ -47,3 +49,22 @@ def list_tasks(
         stmt = stmt.where(t.c.agent == agent)
     rows = db.read(lambda conn: conn.execute(stmt).all())
     return [Task.from_row(r._mapping) for r in rows]
+
+
+def routes(db: Database, *, limit: int = 50, task_id: int | None = None) -> list[dict[str, Any]]:
+    """The newest routing decisions (route_log), newest first."""
+    stmt = sa.select(route_log).order_by(route_log.c.id.desc()).limit(limit)
+    if task_id is not None:
+        stmt = stmt.where(route_log.c.task_id == task_id)
+    return [dict(r._mapping) for r in db.read(lambda conn: conn.execute(stmt).all())]
+
+
+def circuit_states(db: Database) -> list[dict[str, Any]]:
+    """Every provider circuit the workers have written."""
+    stmt = sa.select(circuits).order_by(circuits.c.provider)
+    return [dict(r._mapping) for r in db.read(lambda conn: conn.execute(stmt).all())]
+
+
+def usage_by_day(db: Database, since: float) -> list[dict[str, Any]]:
+    """Calls, tokens and cost per UTC day and model since ``since``."""
+    return db.read(lambda conn: usage.by_day(conn, since))

@@ -2,7 +2,8 @@
 
 Done tasks go after ``done_retention_sec`` (7 days); failed and errored ones
 after ``failed_retention_sec`` (30 days) so operators can still retry them.
-0 keeps them forever. Deletes go in batches so no transaction grows large.
+0 keeps them forever. Routing history older than ``route_retention_sec`` goes
+too. Deletes go in batches so no transaction grows large.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def prune(
     done_sec: float,
     failed_sec: float,
     batch: int,
+    routes_sec: float = 0.0,
     max_batches: int = 100,
 ) -> int:
     """Delete old finished tasks (and their events); returns how many tasks went."""
@@ -38,6 +40,9 @@ def prune(
             total += gone
             if gone < batch:
                 break
+    if routes_sec > 0:  # the routing history of tasks still kept goes too, once old
+        cutoff = now - routes_sec
+        db.write(lambda conn: conn.execute(sa.delete(route_log).where(route_log.c.at < cutoff)))
     kept = [keep for keep in (done_sec, failed_sec) if keep > 0]
     if kept:  # cooldown history lives as long as the shortest task retention
         cutoff = now - min(kept)

@@ -184,10 +184,21 @@ route_log = sa.Table(
     sa.Column("agent", sa.Text, nullable=False),
     sa.Column("worker", sa.Text),
     sa.Column("model", sa.Text, nullable=False),
-    sa.Column("decision", sa.Text, nullable=False),  # skip | call
+    sa.Column("decision", sa.Text, nullable=False),  # skip (cooling) | refuse (a gate) | call
     sa.Column("outcome", sa.Text),  # ok, rate_limited, overloaded, timeout, auth, error, fatal
     sa.Column("cooldown_until", Epoch),  # seen (skip) or set (call)
     sa.Column("at", Epoch, nullable=False),
+    # Admission (migration 0005): who the call went to, why not, and what it cost.
+    sa.Column("role", sa.Text),
+    sa.Column("fallback_from", sa.Text),  # the role whose fallback led to this candidate
+    sa.Column("provider", sa.Text),
+    sa.Column("account", sa.Text),
+    sa.Column("code", sa.Text),  # a refusal's code (decision refuse or skip)
+    sa.Column("retry_after", Epoch),  # when the refusing gate admits again
+    sa.Column("gates", sa.JSON),  # gate -> "ok" or its refusal
+    sa.Column("prompt_tokens", sa.Integer),
+    sa.Column("completion_tokens", sa.Integer),
+    sa.Column("cost", sa.Float),
     sqlite_autoincrement=True,
 )
 sa.Index("ix_route_log_task", route_log.c.task_id, route_log.c.claim_token)
@@ -207,3 +218,91 @@ cooldown_history = sa.Table(
     sqlite_autoincrement=True,
 )
 sa.Index("ix_cooldown_history_model", cooldown_history.c.model_id, cooldown_history.c.set_at)
+
+# -- admission (SPEC §5): every table below is written by shared.admission only ----
+
+#: One row per admitted call through a limited gate: a leased slot while
+#: ``released_at`` is NULL (concurrency, bulkheads), and an entry of the
+#: sliding windows (rpm per provider account, rate per agent) by ``admitted_at``.
+call_slots = sa.Table(
+    "call_slots",
+    metadata,
+    sa.Column("id", BigId, primary_key=True),
+    sa.Column("provider", sa.Text, nullable=False),
+    sa.Column("account", sa.Text, nullable=False, server_default=""),
+    sa.Column("model", sa.Text, nullable=False),
+    sa.Column("agent", sa.Text, nullable=False),
+    sa.Column("bulkhead", sa.Text),
+    sa.Column("task_id", sa.BigInteger),
+    sa.Column("worker", sa.Text),
+    sa.Column("admitted_at", Epoch, nullable=False),
+    sa.Column("lease_until", Epoch, nullable=False),
+    sa.Column("released_at", Epoch),
+    sqlite_autoincrement=True,
+)
+sa.Index(
+    "ix_call_slots_account", call_slots.c.provider, call_slots.c.account, call_slots.c.admitted_at
+)
+sa.Index("ix_call_slots_agent", call_slots.c.agent, call_slots.c.admitted_at)
+sa.Index(
+    "ix_call_slots_open",
+    call_slots.c.lease_until,
+    sqlite_where=sa.text("released_at IS NULL"),
+    postgresql_where=sa.text("released_at IS NULL"),
+)
+
+#: The circuit of each provider (by its stable name); ``endpoint`` changing
+#: starts it afresh. ``probe_owner`` is the one half-open probe in flight.
+circuits = sa.Table(
+    "circuits",
+    metadata,
+    sa.Column("provider", sa.Text, primary_key=True),
+    sa.Column("endpoint", sa.Text, nullable=False),
+    sa.Column("state", sa.Text, nullable=False, server_default="closed"),
+    sa.Column("consecutive_failures", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("opened_at", Epoch),
+    sa.Column("open_until", Epoch),
+    sa.Column("probe_owner", sa.Text),
+    sa.Column("probe_until", Epoch),
+    sa.Column("updated_at", Epoch, nullable=False),
+    sa.CheckConstraint("state IN ('closed', 'open', 'half_open')", name="ck_circuits_state"),
+)
+
+#: The circuit's sliding window: one row per finished call of a provider.
+circuit_calls = sa.Table(
+    "circuit_calls",
+    metadata,
+    sa.Column("id", BigId, primary_key=True),
+    sa.Column("provider", sa.Text, nullable=False),
+    sa.Column("at", Epoch, nullable=False),
+    sa.Column("failed", sa.Boolean, nullable=False),
+    sqlite_autoincrement=True,
+)
+sa.Index("ix_circuit_calls_provider", circuit_calls.c.provider, circuit_calls.c.at)
+
+#: The usage ledger: settled calls' tokens and cost per UTC day and model/account.
+usage_daily = sa.Table(
+    "usage_daily",
+    metadata,
+    sa.Column("day", Epoch, primary_key=True),  # the epoch second the UTC day starts
+    sa.Column("model", sa.Text, primary_key=True),
+    sa.Column("account", sa.Text, primary_key=True),
+    sa.Column("worker", sa.Text, primary_key=True),  # per writer: no row every settle waits on
+    sa.Column("provider", sa.Text, nullable=False),
+    sa.Column("calls", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("cost", sa.Float, nullable=False, server_default="0"),
+)
+
+#: Accounts whose credential was refused: unusable until their config changes
+#: (``fingerprint`` of endpoint, key variable and key).
+account_state = sa.Table(
+    "account_state",
+    metadata,
+    sa.Column("provider", sa.Text, primary_key=True),
+    sa.Column("account", sa.Text, primary_key=True),
+    sa.Column("fingerprint", sa.Text, nullable=False),
+    sa.Column("reason", sa.Text),
+    sa.Column("unusable_since", Epoch, nullable=False),
+)

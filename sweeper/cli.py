@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from shared import cli
-from shared.config import load_config
+from shared.config import ConfigWatcher, load_config
 from shared.db import Database
 from shared.logging import configure
 from sweeper import jobs
@@ -32,12 +32,14 @@ def sweeper(
     log_json: bool,
 ) -> None:
     """Resume due pauses, rescue expired claims, demote 48 h pauses, purge cooldowns."""
-    config = load_config(config_file, {"database_url": db_url, "sweep_interval_sec": interval_sec})
+    overrides = {"database_url": db_url, "sweep_interval_sec": interval_sec}
+    config = load_config(config_file, overrides)
     configure(json=log_json, level=config.settings.log_level.upper())
     db = Database.from_settings(config.settings)
     try:
         db.require_migrated()
-        sweep = jobs.Sweep(db, config.settings, config.catalog)
+        watcher = ConfigWatcher(config, lambda: load_config(config.path, overrides))
+        sweep = jobs.Sweep(db, config.settings, config.catalog, watcher=watcher)
         if once:
             run_once(sweep)
             return

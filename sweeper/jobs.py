@@ -19,8 +19,10 @@ from sqlalchemy.engine import Connection
 
 from shared import retention
 from shared import workers as worker_rows
+from shared.admission.routing import Candidate
+from shared.admission.store import Admission
 from shared.catalog import Catalog
-from shared.config import Settings
+from shared.config import Config, ConfigWatcher, Settings
 from shared.cooldowns import CooldownStore
 from shared.db import Database
 from shared.errors import ConfigError
@@ -28,7 +30,7 @@ from shared.logging import get_logger
 from shared.queue import TaskQueue
 from shared.schema import bus_commands as t
 from sweeper.policy import DueTask, plan_resume
-from worker.policy import ALL_COOLING
+from worker.policy import ALL_REFUSED
 
 log = get_logger("agentbus.sweeper")
 MAX_ROUNDS = 1000  # batches per pass: a bound, far above what one pass meets
@@ -40,21 +42,41 @@ class Sweep:
     settings: Settings
     catalog: Catalog
     clock: Callable[[], float] = time.time
+    watcher: ConfigWatcher | None = None  # hot reload of the catalog and admission limits
     queue: TaskQueue = field(init=False)
     cooldowns: CooldownStore = field(init=False)
+    admission: Admission = field(init=False)
 
     def __post_init__(self) -> None:
         self.queue = TaskQueue(self.db, clock=self.clock, max_attempts=self.settings.max_attempts)
-        # The sweeper decides from the table itself, never from a cache.
+        # The sweeper decides from the tables themselves, never from a cache.
         self.cooldowns = CooldownStore(
             self.db, clock=self.clock, cache_sec=1e-9, slow_read_ms=float("inf")
         )
+        self.admission = Admission(
+            self.db,
+            Config(self.settings, self.catalog, None),
+            worker="sweeper",
+            cooldowns=self.cooldowns,
+            environ=None,  # the sweeper needs no keys: workers check credentials
+            clock=self.clock,
+            cache_sec=1e-9,
+        )
+
+
+def reload_if_changed(s: Sweep) -> None:
+    config = s.watcher.changed() if s.watcher is not None else None
+    if config is not None:
+        s.settings, s.catalog = config.settings, config.catalog
+        s.admission.configure(config)
 
 
 def resume(s: Sweep) -> dict[str, int]:
-    """Re-queue due pauses that have a usable model; move the others' resume time."""
+    """Re-queue due pauses that admission would let through; move the others' resume time."""
+    reload_if_changed(s)
     counts = {"resumed": 0, "postponed": 0, "held": 0}
     batch = s.settings.sweep_batch
+    admissible: set[tuple[str, str]] = set()  # asked once per pass
     for _ in range(MAX_ROUNDS):
         due_query = (
             sa.select(
@@ -74,21 +96,32 @@ def resume(s: Sweep) -> dict[str, int]:
         rows = s.db.read(_rows(due_query))
         if not rows:
             break
-        due = [
-            DueTask(
-                r.id,
-                r.agent,
-                _chain(s.catalog, r),
-                r.resume_after,
-                r.paused_at,
-                r.pause_model,
-                r.reentry_count,
+        blocked: dict[tuple[str, str], float] = {}
+        due = []
+        for r in rows:
+            chain = _candidates(s, r)
+            for candidate in chain or ():
+                key = (r.agent, candidate.key)
+                if key not in blocked and key not in admissible:
+                    refusal = s.admission.peek(candidate, agent=r.agent)
+                    if refusal is None:
+                        admissible.add(key)
+                    else:
+                        blocked[key] = refusal.retry_after
+            due.append(
+                DueTask(
+                    r.id,
+                    r.agent,
+                    tuple(c.key for c in chain) if chain is not None else None,
+                    r.resume_after,
+                    r.paused_at,
+                    r.pause_model,
+                    r.reentry_count,
+                )
             )
-            for r in rows
-        ]
         plan = plan_resume(
             due,
-            s.cooldowns.active(),
+            blocked,
             reentry_limit=s.settings.reentry_limit,
             reentry_hold_sec=s.settings.reentry_hold_sec,
         )
@@ -98,7 +131,7 @@ def resume(s: Sweep) -> dict[str, int]:
                 f"[cooldown-resume] task_id={task_id} agent={agents[task_id].agent} → re-queued"
             )
             counts["resumed"] += 1
-        counts["postponed"] += len(s.queue.postpone(plan.postpone, ALL_COOLING))
+        counts["postponed"] += len(s.queue.postpone(plan.postpone, ALL_REFUSED))
         for task_id, until in plan.hold.items():
             task = agents[task_id]
             why = (
@@ -117,12 +150,12 @@ def resume(s: Sweep) -> dict[str, int]:
     return counts
 
 
-def _chain(catalog: Catalog, row: sa.Row[tuple[object, ...]]) -> tuple[str, ...] | None:
+def _candidates(s: Sweep, row: sa.Row[tuple[object, ...]]) -> tuple[Candidate, ...] | None:
     models = row.models if isinstance(row.models, list) else None
     try:
-        return catalog.chain_for(
+        return s.admission.resolve(
             models=tuple(models) if models else None, role=row.role, agent=row.agent
-        )
+        ).candidates
     except ConfigError:
         return None
 
@@ -138,8 +171,8 @@ def next_wake(s: Sweep) -> float | None:
 
 
 def purge(s: Sweep) -> dict[str, int]:
-    """Delete cooldowns that have ended."""
-    return {"purged": s.cooldowns.purge_expired()}
+    """Delete cooldowns that have ended, and call slots no limit counts any more."""
+    return {"purged": s.cooldowns.purge_expired(), "slots_purged": s.admission.purge()}
 
 
 def demote(s: Sweep) -> dict[str, int]:
@@ -192,6 +225,7 @@ def prune(s: Sweep) -> dict[str, int]:
         s.clock(),
         done_sec=s.settings.done_retention_sec,
         failed_sec=s.settings.failed_retention_sec,
+        routes_sec=s.settings.route_retention_sec,
         batch=s.settings.sweep_batch,
     )
     return {"pruned": gone}

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 class DueTask:
     id: int
     agent: str
-    chain: tuple[str, ...] | None  # None: the chain cannot be resolved (the worker fails it)
+    chain: tuple[str, ...] | None  # candidate keys; None: unresolvable (the worker fails it)
     resume_after: float
     paused_at: float | None
     pause_model: str | None
@@ -20,21 +20,23 @@ class DueTask:
 @dataclass
 class ResumePlan:
     resume: list[int] = field(default_factory=list)
-    postpone: dict[int, float] = field(default_factory=dict)  # every model still cooling
+    postpone: dict[int, float] = field(default_factory=dict)  # every candidate still refused
     hold: dict[int, float] = field(default_factory=dict)  # re-entry rule: spaced out
 
 
 def plan_resume(
     due: Sequence[DueTask],
-    cooling: Mapping[str, float],
+    blocked: Mapping[tuple[str, str], float],
     *,
     reentry_limit: int,
     reentry_hold_sec: float,
 ) -> ResumePlan:
-    """Resume a due task if some model of its chain is out of cooldown.
+    """Resume a due task if admission would let some candidate of its chain through now.
 
-    A task whose models are all still cooling gets the earliest expiry as its
-    new resume time (no busy loop). A task that re-entered the cooldown of the
+    ``blocked`` maps (agent, candidate key) to when a refused candidate is
+    admitted again (a cooldown, an open circuit, a full window, a spent
+    budget…). A task whose candidates are all refused gets the earliest of
+    those moments as its new resume time (no busy loop). A task that re-entered the cooldown of the
     same model ``reentry_limit`` times in a row stays paused until
     ``reentry_hold_sec`` after its latest pause.
     """
@@ -48,7 +50,7 @@ def plan_resume(
         if task.chain is None:
             plan.resume.append(task.id)
             continue
-        still = [cooling[m] for m in task.chain if m in cooling]
+        still = [blocked[task.agent, m] for m in task.chain if (task.agent, m) in blocked]
         if task.chain and len(still) == len(task.chain):
             plan.postpone[task.id] = min(still)
         else:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.admission.routing import resolve
 from shared.catalog import Catalog
 from shared.config import load_config
 from shared.errors import ConfigError
@@ -78,6 +79,41 @@ def test_a_good_config(tmp_path: Path) -> None:
         ({"agents": {"a": {"role": "nope"}}}, "unknown role 'nope'"),
         ({"agents": {"a": {"role": "r", "models": ["sim/a"]}}}, "either role or models"),
         ({"agents": {"a": {"models": ["sim/a"], "colour": "red"}}}, "unknown key 'colour'"),
+        ({"agents": {"a": {"models": ["sim/a"], "rate": -5}}}, "rate must be a whole number"),
+        ({"providers": {"p": {"kind": "simulated", "rpm": 0}}}, "rpm must be a whole number"),
+        ({"providers": {"p": {"kind": "simulated", "concurrency": -1}}}, "concurrency must"),
+        ({"bulkheads": {"heavy": 0}}, r"\[bulkheads\] heavy must be a whole number"),
+        (
+            {
+                "providers": {"p": {"kind": "simulated"}},
+                "models": {"m": {"provider": "p", "bulkhead": "x"}},
+            },
+            "unknown bulkhead 'x'",
+        ),
+        (
+            {"providers": {"p": {"kind": "openai", "base_url": "http://x", "accounts": {"a": {}}}}},
+            "key_env must name",
+        ),
+        (
+            {"providers": {"p": {"kind": "openai", "base_url": "http://x", "api_key_env": "a b"}}},
+            "NAME of an environment variable",
+        ),
+        ({"providers": {"sim": {"kind": "command", "argv": ["x"]}}}, "simulated provider's"),
+        ({"roles": {"r": {"models": ["sim/a"], "fallback": "s"}}}, "unknown fallback role 's'"),
+        (
+            {
+                "roles": {
+                    "r": {"models": ["sim/a"], "fallback": "s"},
+                    "s": {"models": ["sim/b"], "fallback": "r"},
+                }
+            },
+            r"fallback roles loop \(r -> s -> r\)",
+        ),
+        (
+            {"roles": {"r": {"candidates": [{"model": "sim/a", "account": "zz"}]}}},
+            "provider 'sim' has no account 'zz'",
+        ),
+        ({"routing": {"default_role": "nope"}}, "default_role 'nope' is not a configured role"),
     ],
 )
 def test_bad_catalogs(doc: dict[str, object], message: str) -> None:
@@ -90,3 +126,55 @@ def test_unknown_section_is_named(tmp_path: Path) -> None:
     path.write_text("[budgets]\ndaily = 3\n")
     with pytest.raises(ConfigError, match=r"unknown section \[budgets\]"):
         load_config(path, environ={})
+
+
+ROUTED = """
+[providers.sim]
+kind = "simulated"
+[providers.sim.accounts.a]
+key_env = "SIM_A"
+[providers.sim.accounts.b]
+key_env = "SIM_B"
+
+[roles.primary]
+candidates = [{ model = "sim/x", account = "b" }, "sim/y"]
+fallback = "secondary"
+
+[roles.secondary]
+models = ["sim/z"]
+fallback = "last"
+
+[roles.last]
+models = ["sim/y"]
+
+[routing]
+default_role = "secondary"
+"""
+
+
+def test_resolve_follows_fallbacks_accounts_and_credentials(tmp_path: Path) -> None:
+    path = tmp_path / "agentbus.toml"
+    path.write_text(ROUTED)
+    catalog = load_config(path, environ={}).catalog
+
+    def keys(role: str, environ: dict[str, str] | None) -> list[tuple[str, str | None, str | None]]:
+        found = resolve(catalog, models=None, role=role, agent="x", environ=environ)
+        return [(c.key, c.role, c.fallback_from) for c in found.candidates]
+
+    both = {"SIM_A": "1", "SIM_B": "2"}
+    assert keys("primary", both) == [
+        ("sim/x@b", "primary", None),
+        ("sim/y@a", "primary", None),
+        ("sim/y@b", "primary", None),
+        ("sim/z@a", "secondary", "primary"),
+        ("sim/z@b", "secondary", "primary"),
+    ]  # sim/y again under "last" is not listed twice
+    assert keys("primary", {"SIM_A": "1"}) == [
+        ("sim/y@a", "primary", None),
+        ("sim/z@a", "secondary", "primary"),
+    ]
+    found = resolve(catalog, models=None, role="primary", agent="x", environ={"SIM_A": "1"})
+    assert found.left_out[0] == "sim/x@b: no credentials ($SIM_B is not set)"
+    # An unconfigured role runs as [routing] default_role, and says where it came from.
+    assert keys("ghost", None)[0] == ("sim/z@a", "secondary", "ghost")
+    assert len(keys("primary", None)) == 5  # None: credentials not checked (the sweeper)

@@ -16,9 +16,10 @@ from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 from shared import cli
+from shared.admission.store import Admission
 from shared.busctl import busctl
 from shared.catalog import Catalog
-from shared.config import Settings, load_config
+from shared.config import Config, Settings, load_config
 from shared.cooldowns import CooldownStore
 from shared.db import Database
 from shared.errors import ConfigError
@@ -170,10 +171,13 @@ def test_fuzzed_task_rows_never_crash_the_worker(
     monkeypatch.setattr("shared.providers.simulated.time.sleep", lambda _s: None)
     queue = TaskQueue(db)
     quick = Settings(call_retries=0, call_retry_wait_sec=0.001)
+    cooldowns = CooldownStore(db)
     runner = Runner(
         settings=quick,
-        catalog=Catalog(),
-        cooldowns=CooldownStore(db),
+        admission=Admission(
+            db, Config(quick, Catalog(), None), worker="fuzz", cooldowns=cooldowns, environ={}
+        ),
+        cooldowns=cooldowns,
         providers=Providers(Catalog(), {}),
         worker_id="fuzz",
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.catalog import Catalog, ProviderConfig
+from shared.catalog import AccountConfig, Catalog, ProviderConfig
 from shared.outcomes import AuthFailed, Failed, RateLimited, Succeeded, TimedOut, Usage
 from shared.providers import CallRequest
 from shared.providers.command import CommandProvider
@@ -18,7 +18,9 @@ from shared.providers.simulated import SimulatedProvider
 from shared.tasks import InvalidTask
 
 KEY = "sk-test-5ecret-do-not-log"
-CONFIG = ProviderConfig("oai", "openai", base_url="http://llm.local/v1", api_key_env="OAI_KEY")
+CONFIG = ProviderConfig(
+    "oai", "openai", base_url="http://llm.local/v1", accounts=(AccountConfig("default", "OAI_KEY"),)
+)
 
 
 def request(payload: dict[str, object] | None = None, model: str = "gpt") -> CallRequest:

@@ -129,7 +129,7 @@ def test_purge_deletes_only_ended_cooldowns(sweep: jobs.Sweep, clock: FakeClock)
     sweep.cooldowns.set("old", clock.now + 5, reason="429")
     sweep.cooldowns.set("live", clock.now + 500, reason="429")
     clock.advance(5)
-    assert jobs.purge(sweep) == {"purged": 1}
+    assert jobs.purge(sweep) == {"purged": 1, "slots_purged": 0}
     with sweep.db.engine.connect() as conn:
         assert conn.execute(sa.select(model_cooldown.c.model_id)).scalars().all() == ["live"]
 
@@ -213,7 +213,7 @@ def test_plan_resume_is_pure() -> None:
         DueTask(3, "a", None, 10.0, 0.0, None, 0),
         DueTask(4, "a", ("m2",), 10.0, 5.0, "m2", 3),
     ]
-    plan = plan_resume(due, {"m1": 40.0}, reentry_limit=3, reentry_hold_sec=300)
+    plan = plan_resume(due, {("a", "m1"): 40.0}, reentry_limit=3, reentry_hold_sec=300)
     assert plan.resume == [1, 3]
     assert plan.postpone == {2: 40.0}
     assert plan.hold == {4: 305.0}

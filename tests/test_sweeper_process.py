@@ -62,12 +62,13 @@ def test_two_sweepers_racing_apply_each_transition_once(db_url: str, spawn: Spaw
 def test_paused_task_is_resumed_after_its_cooldown_and_completed(db_url: str, spawn: Spawn) -> None:
     db = Database(db_url)
     queue = TaskQueue(db)
-    script = {"simulate": {"sim/a": {"behaviour": "rate_limited", "for_s": 1.0}}}
+    # Rate-limited long enough for a worker process to start up and call it.
+    script = {"simulate": {"sim/a": {"behaviour": "rate_limited", "for_s": 2.5}}}
     task_id = queue.enqueue(
         TaskSpec(agent="codex", command="x", models=("sim/a",), payload=script)
     ).id
     env = {
-        "AGENTBUS_MODEL_COOLDOWN_SEC": "1.5",
+        "AGENTBUS_MODEL_COOLDOWN_SEC": "3",
         "AGENTBUS_SWEEP_PEEK_SEC": "0.2",
         "AGENTBUS_POLL_SEC": "0.1",
     }

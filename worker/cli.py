@@ -63,16 +63,14 @@ def worker(
     """Claim and run the tasks of one agent, one at a time (or --batch N per claim)."""
     if not NAME_RE.match(agent):
         raise click.BadParameter(f"invalid agent name {agent!r}", param_hint="--agent")
-    config = load_config(
-        config_file,
-        {
-            "database_url": db_url,
-            "lease_sec": lease_sec,
-            "poll_sec": poll_sec,
-            "grace_sec": grace_sec,
-            "claim_batch": claim_batch,
-        },
-    )
+    overrides = {
+        "database_url": db_url,
+        "lease_sec": lease_sec,
+        "poll_sec": poll_sec,
+        "grace_sec": grace_sec,
+        "claim_batch": claim_batch,
+    }
+    config = load_config(config_file, overrides)
     configure(json=log_json, level=config.settings.log_level.upper())
     if config.catalog.agents and agent not in config.catalog.agents:
         raise ConfigError(
@@ -92,7 +90,7 @@ def worker(
             max_tasks=max_tasks,
             batch=settings.claim_batch,
         )
-        runner = Worker(config, db, options)
+        runner = Worker(config, db, options, reload=lambda: load_config(config.path, overrides))
         cli.on_stop_signals(runner.request_stop)
         runner.run()
     finally:

@@ -14,9 +14,11 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.config import Config
+from shared.admission.store import Admission
+from shared.config import Config, ConfigWatcher
 from shared.cooldowns import CooldownStore
 from shared.db import Database
 from shared.errors import TransitionRejected
@@ -43,7 +45,13 @@ class Options:
 
 
 class Worker:
-    def __init__(self, config: Config, db: Database, options: Options) -> None:
+    def __init__(
+        self,
+        config: Config,
+        db: Database,
+        options: Options,
+        reload: Callable[[], Config] | None = None,
+    ) -> None:
         settings = config.settings
         self.options = options
         self.id = new_worker_id(options.agent)
@@ -52,18 +60,28 @@ class Worker:
         self.registry = WorkerRegistry(db, self.id, options.agent)
         self.providers = Providers(config.catalog, os.environ)
         self.backoff_steps = settings.backoff_steps()
+        cooldowns = CooldownStore(
+            db,
+            cache_sec=settings.cooldown_cache_sec,
+            slow_read_ms=settings.cooldown_slow_read_ms,
+            slow_cache_sec=settings.cooldown_slow_cache_sec,
+        )
+        self.admission = Admission(
+            db,
+            config,
+            worker=self.id,
+            cooldowns=cooldowns,
+            environ=os.environ,
+            cache_sec=settings.cooldown_cache_sec,
+        )
         self.runner = Runner(
             settings=settings,
-            catalog=config.catalog,
+            admission=self.admission,
             providers=self.providers,
             worker_id=self.id,
-            cooldowns=CooldownStore(
-                db,
-                cache_sec=settings.cooldown_cache_sec,
-                slow_read_ms=settings.cooldown_slow_read_ms,
-                slow_cache_sec=settings.cooldown_slow_cache_sec,
-            ),
+            cooldowns=cooldowns,
         )
+        self.watcher = ConfigWatcher(config, reload) if reload is not None else None
         self.stopping = threading.Event()
         self._finished = threading.Event()
         self._last_beat = 0.0
@@ -119,6 +137,7 @@ class Worker:
 
     def _process(self, task: Task) -> None:
         """Run one task's calls here, in the main thread; the watchdog keeps its lease."""
+        self._reload_if_changed()
         self.log.debug("claimed", task_id=task.id, attempts=task.attempts, token=task.claim_token)
         self.registry.current_task = task.id
         self._beat_if_due(1.0)  # at most once a second: short tasks need no write each
@@ -141,6 +160,19 @@ class Worker:
                 self._running = None
         self.registry.current_task = None
         self._settle(task, result)
+
+    def _reload_if_changed(self) -> None:
+        """Between calls: a changed config file is applied to admission and routing.
+        Windows, slots and circuits live on (rows keyed by name); calls in flight keep
+        their permits, so a lowered limit only holds new calls back."""
+        config = self.watcher.changed() if self.watcher is not None else None
+        if config is None:
+            return
+        self.admission.configure(config)
+        self.runner.settings = config.settings
+        old, self.providers = self.providers, Providers(config.catalog, os.environ)
+        self.runner.providers = self.providers
+        old.close()
 
     def _watch(self) -> None:
         """The watchdog: renews the leases of held tasks while a call runs, and on

@@ -13,6 +13,7 @@ from shared.config import Settings
 from shared.outcomes import Failed, RateLimited, TimedOut, Usage
 
 ALL_COOLING = "all candidate models are cooling down"
+ALL_REFUSED = "no candidate is admitted now"
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,21 @@ def cooldown_until(outcome: RateLimited | TimedOut, now: float, settings: Settin
     return now + max(settings.model_cooldown_sec, outcome.retry_after_sec or 0.0)
 
 
+def cooldown_key(
+    outcome: RateLimited | TimedOut, model: str, candidate_key: str, accounts: int
+) -> str:
+    """What a cooling answer cools: a 429 through one of several accounts is that
+    account's quota (``model@account``); overload and timeouts are the model's."""
+    if isinstance(outcome, RateLimited) and not outcome.overloaded and accounts > 1:
+        return candidate_key
+    return model
+
+
+def cost(usage: Usage, input_per_1k: float, output_per_1k: float) -> float:
+    """The cost of a call from its usage and the model's prices per 1,000 tokens."""
+    return (usage.prompt_tokens * input_per_1k + usage.completion_tokens * output_per_1k) / 1000
+
+
 def after_failure(
     outcome: Failed, attempts: int, max_attempts: int, now: float, settings: Settings
 ) -> Requeue | Fail:
@@ -68,15 +84,21 @@ def after_failure(
     return Requeue(now + delay, outcome.detail)
 
 
-def when_no_candidate_left(cooling: Mapping[str, float], refused: Sequence[str]) -> Pause | Fail:
-    """Every candidate was skipped or refused: pause until the earliest cooldown ends.
+def when_no_candidate_left(
+    blocked: Mapping[str, float], refused: Sequence[str], codes: Mapping[str, str] | None = None
+) -> Pause | Fail:
+    """Every candidate was cooling, refused by a gate, or unusable: pause until the
+    earliest moment one is admitted again (``blocked``: candidate -> that moment).
 
-    Only when none is cooling (every credential was refused) is it a failure:
-    pausing would wait for something that does not end by itself.
+    ``codes`` names each blocked candidate's refusal (``cooldown`` when absent).
+    Only when none is blocked (every credential was refused or missing) is it a
+    failure: pausing would wait for something that does not end by itself.
     """
-    if cooling:
-        model = min(cooling, key=lambda m: (cooling[m], m))
-        return Pause(cooling[model], model, ALL_COOLING, dict(cooling))
+    if blocked:
+        model = min(blocked, key=lambda m: (blocked[m], m))
+        gates = sorted({(codes or {}).get(m, "cooldown") for m in blocked})
+        reason = ALL_COOLING if gates == ["cooldown"] else f"{ALL_REFUSED} ({', '.join(gates)})"
+        return Pause(blocked[model], model, reason, dict(blocked))
     return Fail("no usable model: " + "; ".join(refused) if refused else "empty model chain")
 
 

@@ -1,8 +1,11 @@
 """Run one claimed task through its model chain and decide what becomes of it.
 
-Cooling models are skipped without a call. A rate-limited, overloaded or
-timed-out answer cools the model down for every process (``model_cooldown``)
-and the next candidate is tried. A refused credential skips that model. A
+The candidates come from admission (``shared.admission``): each is asked for
+a permit right before its call, and one that is cooling or refused by a gate
+is skipped. A rate-limited, overloaded or timed-out answer cools the model
+(or, for a 429 through one of several accounts, that account's use of it)
+down for every process (``model_cooldown``) and the next candidate is tried.
+A refused credential makes the account unusable and the next one is tried. A
 retryable error is retried in the call a few times (tenacity) before the
 attempt counts as spent. The result is a ``policy.Decision``; this module
 changes no task — the loop settles it through ``shared.queue``.
@@ -17,7 +20,9 @@ from typing import Any
 
 import tenacity
 
-from shared.catalog import Catalog
+from shared.admission.gates import Code, Refusal
+from shared.admission.routing import Candidate
+from shared.admission.store import Admission
 from shared.config import Settings
 from shared.cooldowns import CooldownStore
 from shared.errors import ConfigError
@@ -54,14 +59,14 @@ class Runner:
         self,
         *,
         settings: Settings,
-        catalog: Catalog,
+        admission: Admission,
         cooldowns: CooldownStore,
         providers: Providers,
         worker_id: str,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
-        self.catalog = catalog
+        self.admission = admission
         self.cooldowns = cooldowns
         self.providers = providers
         self.worker_id = worker_id
@@ -71,60 +76,89 @@ class Runner:
         if task.problem is not None:
             return Run(policy.Fail(task.problem))
         try:
-            chain = self.catalog.chain_for(models=task.models, role=task.role, agent=task.agent)
-            self.providers.check(task.payload, chain)
+            found = self.admission.resolve(models=task.models, role=task.role, agent=task.agent)
+            self.providers.check(
+                task.payload, tuple(dict.fromkeys(c.model for c in found.candidates))
+            )
         except (ConfigError, InvalidTask) as exc:
             return Run(policy.Fail(exc.message))
-        cooling = self.cooldowns.cooling(chain)
-        run = Run(policy.Fail("unreachable"), skipped=dict(cooling))
-        refused: list[str] = []
-        for model in chain:
+        run = Run(policy.Fail("unreachable"))
+        blocked: dict[str, float] = {}
+        codes: dict[str, str] = {}
+        refused = list(found.left_out)
+        for candidate in found.candidates:
             started = self.clock()
-            if model in cooling:
+            answer = self.admission.admit(
+                candidate, agent=task.agent, task_id=task.id, lease_sec=self._lease(candidate)
+            )
+            if isinstance(answer, Refusal):
+                blocked[candidate.key] = answer.retry_after
+                codes[candidate.key] = answer.code.value
+                cooling = answer.code is Code.COOLDOWN
+                if cooling:
+                    run.skipped[candidate.key] = answer.retry_after
                 log.info(
-                    "model_skipped",
+                    "model_skipped" if cooling else "candidate_refused",
                     task_id=task.id,
-                    model=model,
-                    cooldown_left=round(cooling[model] - started, 1),
+                    candidate=candidate.key,
+                    code=answer.code.value,
+                    retry_after_ms=answer.retry_after_ms(started),
+                    detail=answer.detail,
                 )
-                run.routes.append(self._route(task, model, "skip", None, cooling[model], started))
+                run.routes.append(
+                    self._route(
+                        task, candidate, "skip" if cooling else "refuse", started, refusal=answer
+                    )
+                )
                 continue
-            try:
-                outcome = self._call(task, model)
-            except InvalidTask as exc:
-                run.decision = policy.Fail(exc.message)
-                return run
+            with answer as permit:
+                try:
+                    outcome = self._call(task, candidate)
+                except InvalidTask as exc:
+                    run.decision = policy.Fail(exc.message)
+                    return run
+                self.admission.finish(permit, outcome)
             run.calls += 1
-            route = self._route(task, model, "call", outcome_name(outcome), None, started)
+            route = self._route(
+                task, candidate, "call", started, outcome=outcome, gates=permit.gates
+            )
             run.routes.append(route)
             match outcome:
                 case Succeeded(text=text, usage=usage):
-                    log.debug("call_ok", task_id=task.id, model=model)
-                    run.decision = policy.Complete(text, model, usage)
+                    log.debug("call_ok", task_id=task.id, candidate=candidate.key)
+                    run.decision = policy.Complete(text, candidate.model, usage)
                     return run
                 case RateLimited() | TimedOut():
+                    accounts = len(self.admission.catalog.provider(candidate.provider).accounts)
+                    key = policy.cooldown_key(outcome, candidate.model, candidate.key, accounts)
                     until = self.cooldowns.set(
-                        model,
+                        key,
                         policy.cooldown_until(outcome, self.clock(), self.settings),
                         reason=type(outcome).__name__,
                         source=self.worker_id,
                     )
-                    cooling[model] = run.cooled[model] = route["cooldown_until"] = until
+                    blocked[candidate.key] = run.cooled[key] = route["cooldown_until"] = until
                     log.info(
                         "model_cooldown_set",
                         task_id=task.id,
-                        model=model,
+                        model=key,
                         until=round(until, 3),
                         detail=outcome.detail,
                     )
                 case AuthFailed(detail=detail):
-                    log.warning("credential_refused", task_id=task.id, model=model, detail=detail)
-                    refused.append(f"{model}: {detail}")
+                    log.warning(
+                        "credential_refused",
+                        task_id=task.id,
+                        candidate=candidate.key,
+                        detail=detail,
+                    )
+                    self.admission.mark_unusable(candidate, detail)
+                    refused.append(f"{candidate.key}: {detail}")
                 case Failed():
                     log.info(
                         "call_failed",
                         task_id=task.id,
-                        model=model,
+                        candidate=candidate.key,
                         retryable=outcome.retryable,
                         detail=outcome.detail,
                     )
@@ -132,41 +166,67 @@ class Runner:
                         outcome, task.attempts, task.max_attempts, self.clock(), self.settings
                     )
                     return run
-        run.decision = policy.when_no_candidate_left(cooling, refused)
+        run.decision = policy.when_no_candidate_left(blocked, refused, codes)
         return run
+
+    def _lease(self, candidate: Candidate) -> float:
+        """How long a permit's slot is held at most: every try of the call, with margin."""
+        timeout = self.admission.catalog.provider(candidate.provider).timeout_sec
+        tries = self.settings.call_retries + 1
+        waits = self.settings.call_retry_wait_sec * 2**tries
+        return float((timeout or self.settings.call_timeout_sec) * tries + waits + 60.0)
 
     def _route(
         self,
         task: Task,
-        model: str,
+        c: Candidate,
         decision: str,
-        outcome: str | None,
-        until: float | None,
         at: float,
+        *,
+        refusal: Refusal | None = None,
+        outcome: Outcome | None = None,
+        gates: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        usage = outcome.usage if isinstance(outcome, Succeeded) else None
+        model = self.admission.catalog.model(c.model) if usage is not None else None
         return {
             "task_id": task.id,
             "claim_token": task.claim_token,
             "agent": task.agent,
             "worker": self.worker_id,
-            "model": model,
+            "model": c.model,
             "decision": decision,
-            "outcome": outcome,
-            "cooldown_until": until,
+            "outcome": outcome_name(outcome) if outcome is not None else None,
+            "cooldown_until": refusal.retry_after
+            if refusal is not None and refusal.code is Code.COOLDOWN
+            else None,
             "at": at,
+            "role": c.role,
+            "fallback_from": c.fallback_from,
+            "provider": c.provider,
+            "account": c.account or None,
+            "code": refusal.code.value if refusal is not None else None,
+            "retry_after": refusal.retry_after if refusal is not None else None,
+            "gates": refusal.gates if refusal is not None else gates,
+            "prompt_tokens": usage.prompt_tokens if usage else None,
+            "completion_tokens": usage.completion_tokens if usage else None,
+            "cost": policy.cost(usage, model.input_cost_per_1k, model.output_cost_per_1k)
+            if usage and model
+            else None,
         }
 
-    def _call(self, task: Task, model: str) -> Outcome:
-        provider, upstream = self.providers.for_model(model)
+    def _call(self, task: Task, candidate: Candidate) -> Outcome:
+        provider, upstream = self.providers.for_model(candidate.model)
         request = CallRequest(
             task_id=task.id,
-            model=model,
+            model=candidate.model,
             upstream=upstream,
             prompt=task.command or "",
             worker=self.worker_id,
             timeout_sec=self.settings.call_timeout_sec,
             created_at=task.created_at,
             payload=task.payload,
+            account=candidate.account,
         )
         outcome = provider.call(request)
         if (

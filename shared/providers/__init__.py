@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from shared.catalog import SIMULATED_PREFIX, Catalog
+from shared.catalog import Catalog
 from shared.outcomes import AuthFailed, Failed, Outcome, RateLimited, TimedOut
 
 
@@ -26,6 +26,7 @@ class CallRequest:
     timeout_sec: float
     created_at: float | None = None
     upstream: str | None = None  # the provider's name for the model, when it differs
+    account: str = ""  # the provider account the call goes through ("" when unnamed)
     payload: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -60,9 +61,9 @@ class Providers:
 
     def for_model(self, model: str) -> tuple[Provider, str]:
         """The provider of ``model`` and the name that provider knows it by."""
-        if model.startswith(SIMULATED_PREFIX):
-            return self._get("", self._simulated), model
-        config = self.catalog.models[model]
+        config = self.catalog.model(model)
+        if self.catalog.provider(config.provider).kind == "simulated":
+            return self._get("", self._simulated), config.upstream
         return self._get(config.provider, self._configured), config.upstream
 
     def check(self, payload: Mapping[str, Any], chain: tuple[str, ...]) -> None:
@@ -70,7 +71,8 @@ class Providers:
         from shared.providers.simulated import script_for
 
         for model in chain:
-            if model.startswith(SIMULATED_PREFIX):
+            config = self.catalog.model(model)
+            if self.catalog.provider(config.provider).kind == "simulated":
                 script_for(payload, model)
 
     def _get(self, name: str, make: Any) -> Provider:

@@ -45,14 +45,19 @@ class OpenAIProvider:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.config = config
-        assert config.base_url is not None and config.api_key_env is not None
-        self._key = environ.get(config.api_key_env, "")
+        assert config.base_url is not None
+        self._keys = {
+            a.name: environ.get(a.key_env, "") if a.key_env else "" for a in config.accounts
+        }
+        self._env = {a.name: a.key_env for a in config.accounts}
         self._client = httpx.Client(base_url=config.base_url, transport=transport)
 
     def call(self, request: CallRequest) -> Outcome:
-        if not self._key:
+        account = request.account or self.config.accounts[0].name
+        key = self._keys.get(account, "")
+        if not key:
             return AuthFailed(
-                f"${self.config.api_key_env} is not set for provider {self.config.name}"
+                f"${self._env.get(account)} is not set for provider {self.config.name}"
             )
         body = {
             "model": request.upstream or request.model,
@@ -64,7 +69,7 @@ class OpenAIProvider:
                 "/chat/completions",
                 json=body,
                 timeout=timeout,
-                headers={"Authorization": f"Bearer {self._key}"},
+                headers={"Authorization": f"Bearer {key}"},
             )
         except httpx.TimeoutException:
             return TimedOut(f"{self.config.name}: no answer within {timeout:g}s")
@@ -101,7 +106,10 @@ class OpenAIProvider:
         return Failed(detail, retryable=status >= 500)
 
     def _mask(self, text: str) -> str:
-        return text.replace(self._key, "***") if self._key else text
+        for key in self._keys.values():
+            if key:
+                text = text.replace(key, "***")
+        return text
 
     def close(self) -> None:
         self._client.close()

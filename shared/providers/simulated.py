@@ -7,10 +7,12 @@ name — ``ok``, ``rate_limited``, ``overloaded``, ``timeout``, ``error``
     {"behaviour": "rate_limited", "for_s": 15, "retry_after_s": 5, "latency_ms": 200}
 
 ``until`` (epoch seconds) or ``for_s`` (seconds after the task was created)
-limit the behaviour in time; after that the model answers ok. Models not
-named answer ok. With ``AGENTBUS_SIM_JOURNAL`` set, every call appends one
-JSON line (time, model, task, worker, outcome) to that file, so tests can
-count the calls a model really received.
+limit the behaviour in time; after that the model answers ok. ``accounts``
+(a list of account names) limits it to calls through those accounts of the
+provider. Models not named answer ok. With ``AGENTBUS_SIM_JOURNAL`` set,
+every call appends one JSON line (started, time it ended, model, account,
+task, worker, outcome) to that file, so tests can count and time the calls a
+model really received.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from shared.tasks import InvalidTask
 
 BEHAVIOURS = ("ok", "rate_limited", "overloaded", "timeout", "error", "fatal", "auth")
 MAX_LATENCY_MS = 600_000
-_KEYS = {"behaviour", "until", "for_s", "retry_after_s", "latency_ms"}
+_KEYS = {"behaviour", "until", "for_s", "retry_after_s", "latency_ms", "accounts"}
 
 
 def script_for(payload: Mapping[str, Any], model: str) -> dict[str, Any]:
@@ -57,6 +59,11 @@ def script_for(payload: Mapping[str, Any], model: str) -> dict[str, Any]:
             or value < 0
         ):
             raise InvalidTask(f"payload.simulate[{model!r}].{key} must be a non-negative number")
+    accounts = script.get("accounts")
+    if accounts is not None and (
+        not isinstance(accounts, list) or not all(isinstance(a, str) for a in accounts)
+    ):
+        raise InvalidTask(f"payload.simulate[{model!r}].accounts must be a list of account names")
     if (script.get("latency_ms") or 0) > MAX_LATENCY_MS:
         raise InvalidTask(
             f"payload.simulate[{model!r}].latency_ms must be at most {MAX_LATENCY_MS}"
@@ -71,17 +78,20 @@ class SimulatedProvider:
 
     def call(self, request: CallRequest) -> Outcome:
         script = script_for(request.payload, request.model)
+        started = self.clock()
         if script.get("latency_ms"):
             time.sleep(script["latency_ms"] / 1000)
         behaviour = script.get("behaviour", "ok")
         now = self.clock()
+        if script.get("accounts") is not None and request.account not in script["accounts"]:
+            behaviour = "ok"
         until = script.get("until")
         if script.get("for_s") is not None:
             until = (request.created_at or now) + script["for_s"]
         if until is not None and now >= until:
             behaviour = "ok"
         outcome = self._outcome(behaviour, request, script)
-        self._log(request, behaviour, now)
+        self._log(request, behaviour, started, now)
         return outcome
 
     @staticmethod
@@ -107,14 +117,16 @@ class SimulatedProvider:
             case _:
                 return Failed(what, retryable=behaviour == "error")
 
-    def _log(self, request: CallRequest, behaviour: str, now: float) -> None:
+    def _log(self, request: CallRequest, behaviour: str, started: float, now: float) -> None:
         if not self.journal:
             return
         line = (
             json.dumps(
                 {
+                    "started": started,
                     "time": now,
                     "model": request.model,
+                    "account": request.account,
                     "task_id": request.task_id,
                     "worker": request.worker,
                     "outcome": behaviour,

@@ -1,0 +1,159 @@
+"""The admission gates' decisions, from plain values (no I/O; the store feeds them).
+
+A refusal says which gate refused and exactly when it admits again; the
+worker pauses a task until the earliest such time of its candidates.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.outcomes import Failed, Outcome, RateLimited, Succeeded, TimedOut
+
+
+class Code(enum.StrEnum):
+    """Refusal codes (S-45). The first three keep seed 001's JSON-RPC numbers."""
+
+    RATE_LIMITED = "rate_limited"
+    CIRCUIT_OPEN = "circuit_open"
+    BULKHEAD_FULL = "bulkhead_full"
+    COOLDOWN = "cooldown"
+    BUDGET_EXHAUSTED = "budget_exhausted"
+    CONCURRENCY_FULL = "concurrency_full"
+
+    @property
+    def number(self) -> int | None:
+        return _NUMBERS.get(self)
+
+
+_NUMBERS = {Code.RATE_LIMITED: -32000, Code.CIRCUIT_OPEN: -32001, Code.BULKHEAD_FULL: -32002}
+#: Refusals that a short wait may end (another call finishing frees a slot).
+SLOT_CODES = frozenset({Code.CONCURRENCY_FULL, Code.BULKHEAD_FULL})
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A candidate may not be called now; ``retry_after`` (epoch) is when it may."""
+
+    code: Code
+    retry_after: float
+    detail: str
+    gates: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def retry_after_ms(self, now: float) -> int:
+        return max(0, round((self.retry_after - now) * 1000))
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        out: dict[str, Any] = {"code": self.code.value, "retry_after_ms": self.retry_after_ms(now)}
+        if self.code.number is not None:
+            out["number"] = self.code.number
+        out["detail"] = self.detail
+        return out
+
+
+def refuse(refusals: list[Refusal], gates: dict[str, Any]) -> Refusal | None:
+    """Every gate must admit: the candidate is refused until the last refusing gate admits."""
+    if not refusals:
+        return None
+    last = max(refusals, key=lambda r: r.retry_after)
+    return Refusal(last.code, last.retry_after, last.detail, gates)
+
+
+def window_free_at(nth_newest: float | None, window: float, now: float) -> float | None:
+    """A sliding window of ``limit`` calls: refused until the limit-th newest call leaves it.
+
+    ``nth_newest`` is the admission time of the limit-th most recent call
+    (None: fewer calls than the limit were ever admitted).
+    """
+    if nth_newest is None or nth_newest + window <= now:
+        return None
+    return nth_newest + window
+
+
+def next_day(now: float) -> float:
+    """When the current UTC day ends (daily budgets reset)."""
+    return (now // 86400 + 1) * 86400
+
+
+def day_of(at: float) -> float:
+    return at // 86400 * 86400
+
+
+# -- the circuit breaker ------------------------------------------------------
+
+
+def circuit_failure(outcome: Outcome) -> bool | None:
+    """Whether an outcome counts against the endpoint's health (None: neither way).
+
+    Errors of the endpoint — 5xx, transport errors, timeouts, overloaded — are
+    failures; a success is not. A 429 (our quota), a refused credential or a
+    rejected request says nothing about the endpoint.
+    """
+    match outcome:
+        case Succeeded():
+            return False
+        case TimedOut() | RateLimited(overloaded=True) | Failed(retryable=True):
+            return True
+        case _:
+            return None
+
+
+@dataclass(frozen=True)
+class Circuit:
+    state: str = "closed"  # closed | open | half_open
+    consecutive_failures: int = 0
+    open_until: float | None = None
+    probe_owner: str | None = None
+    probe_until: float | None = None
+
+
+@dataclass(frozen=True)
+class CircuitRules:
+    window_sec: float
+    failure_rate: float
+    min_calls: int
+    consecutive_failures: int
+    open_sec: float
+
+
+def circuit_admits(c: Circuit, now: float, recheck_sec: float) -> Refusal | str:
+    """``"ok"``, ``"probe"`` (this call is the one half-open probe), or a refusal."""
+    if c.state == "closed":
+        return "ok"
+    if c.state == "open" and c.open_until is not None and now < c.open_until:
+        return Refusal(Code.CIRCUIT_OPEN, c.open_until, "the circuit is open")
+    if c.state == "half_open" and c.probe_until is not None and now < c.probe_until:
+        return Refusal(
+            Code.CIRCUIT_OPEN,
+            min(c.probe_until, now + recheck_sec),
+            "the circuit is half-open and its probe is in flight",
+        )
+    return "probe"
+
+
+def after_call(
+    c: Circuit,
+    *,
+    failed: bool,
+    probe: bool,
+    window_calls: int,
+    window_failures: int,
+    now: float,
+    rules: CircuitRules,
+) -> Circuit:
+    """The circuit after a call ended (window counts include this call)."""
+    if probe and c.state == "half_open":
+        if failed:
+            return Circuit("open", c.consecutive_failures + 1, now + rules.open_sec)
+        return Circuit("closed")
+    consecutive = c.consecutive_failures + 1 if failed else 0
+    if c.state != "closed":  # a call admitted before the circuit opened: counted only
+        return Circuit(c.state, consecutive, c.open_until, c.probe_owner, c.probe_until)
+    tripped = consecutive >= rules.consecutive_failures or (
+        window_calls >= rules.min_calls and window_failures >= rules.failure_rate * window_calls
+    )
+    if failed and tripped:
+        return Circuit("open", consecutive, now + rules.open_sec)
+    return Circuit("closed", consecutive)

@@ -1,0 +1,133 @@
+"""Which candidates a task may run on, in order: ``resolve`` takes no slot and writes nothing.
+
+A candidate is a model through one account of its provider. A role's entry
+without a pinned account expands to every account of the provider, in the
+order configured: the first is preferred, the next takes over when the first
+is limited, cooling or refused. Fallback roles follow their role. Accounts
+whose key variable is unset, or whose credential was refused under the
+current config, are left out with the reason (they do not come back by
+waiting, so they never pause a task).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+from shared.catalog import AccountConfig, CandidateSpec, Catalog, ProviderConfig
+from shared.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Candidate:
+    model: str
+    provider: str
+    account: str  # "" when the provider has no named accounts
+    upstream: str
+    role: str | None = None
+    fallback_from: str | None = None
+    bulkhead: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The candidate's name in cooldowns and pauses: ``model`` or ``model@account``."""
+        return f"{self.model}@{self.account}" if self.account else self.model
+
+
+@dataclass(frozen=True)
+class Resolution:
+    candidates: tuple[Candidate, ...]
+    left_out: tuple[str, ...] = field(default=())  # "model@account: why", for a failure's reason
+
+
+def resolve(
+    catalog: Catalog,
+    *,
+    models: tuple[str, ...] | None,
+    role: str | None,
+    agent: str,
+    environ: Mapping[str, str] | None,
+    unusable: Collection[tuple[str, str, str]] = (),
+) -> Resolution:
+    """The candidates of a task: its own models, else its role's, else its agent's.
+
+    ``environ`` None skips the credential check (the sweeper need not hold
+    keys). ``unusable`` holds (provider, account, fingerprint) of refused
+    credentials. Raises ConfigError for an unknown role or model.
+    """
+    entries: list[tuple[CandidateSpec, str | None, str | None]] = []
+    if models:
+        entries = [(CandidateSpec(m), None, None) for m in models]
+    else:
+        if role is None and agent in catalog.agents and catalog.agents[agent].models:
+            entries = [(CandidateSpec(m), None, None) for m in catalog.agents[agent].models]
+        else:
+            name = (
+                role
+                if role is not None
+                else catalog.agents[agent].role
+                if agent in catalog.agents
+                else None
+            )
+            if name is None:
+                raise ConfigError(
+                    f"no model chain for agent {agent!r}: give the task --models "
+                    f"or --role, or configure [agents.{agent}]"
+                )
+            for config, origin in catalog.role_chain(name):
+                entries += [(spec, config.name, origin) for spec in config.candidates]
+    out: dict[str, Candidate] = {}
+    left_out: list[str] = []
+    for spec, role_name, origin in entries:
+        model = catalog.model(spec.model)
+        provider = catalog.provider(model.provider)
+        accounts = provider.accounts
+        if spec.account is not None:
+            accounts = tuple(a for a in accounts if a.name == spec.account)
+        for account in accounts:
+            candidate = Candidate(
+                model.id,
+                provider.name,
+                account.name,
+                model.upstream,
+                role_name,
+                origin,
+                model.bulkhead,
+            )
+            if candidate.key in out:
+                continue
+            why = _unusable_because(provider, account, environ, unusable)
+            if why is not None:
+                left_out.append(f"{candidate.key}: {why}")
+                continue
+            out[candidate.key] = candidate
+    return Resolution(tuple(out.values()), tuple(dict.fromkeys(left_out)))
+
+
+def fingerprint(
+    provider: ProviderConfig, account: AccountConfig, environ: Mapping[str, str]
+) -> str:
+    """What an account's credential is under the current config (changes when it does).
+
+    A short hash of endpoint, key variable and key: stored, it tells a refused
+    credential from its replacement without storing the key.
+    """
+    key = environ.get(account.key_env, "") if account.key_env else ""
+    text = "\0".join((provider.endpoint, account.key_env or "", key))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _unusable_because(
+    provider: ProviderConfig,
+    account: AccountConfig,
+    environ: Mapping[str, str] | None,
+    unusable: Collection[tuple[str, str, str]],
+) -> str | None:
+    if environ is None:
+        return None
+    if account.key_env and not environ.get(account.key_env):
+        return f"no credentials (${account.key_env} is not set)"
+    if (provider.name, account.name, fingerprint(provider, account, environ)) in unusable:
+        return "credential refused (unusable until the account's config changes)"
+    return None

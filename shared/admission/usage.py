@@ -1,0 +1,94 @@
+"""The usage ledger: tokens and cost of settled calls, summed per UTC day.
+
+Written in the settle transaction from the call's routing rows, one row per
+(day, model, account, worker) so that no two workers ever wait on one row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
+
+from shared.admission.gates import day_of
+from shared.schema import usage_daily as u
+
+
+def record(conn: Connection, routes: Iterable[Mapping[str, Any]]) -> None:
+    """Add the calls among ``routes`` (rows of route_log) to the ledger."""
+    sums: dict[tuple[float, str, str, str], list[Any]] = {}
+    for r in routes:
+        if r.get("decision") != "call" or r.get("provider") is None:
+            continue
+        key = (day_of(r["at"]), r["model"], r.get("account") or "", r.get("worker") or "")
+        row = sums.setdefault(key, [r["provider"], 0, 0, 0, 0.0])
+        row[1] += 1
+        row[2] += r.get("prompt_tokens") or 0
+        row[3] += r.get("completion_tokens") or 0
+        row[4] += r.get("cost") or 0.0
+    if not sums:
+        return
+    insert = (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(u)
+    stmt = insert.on_conflict_do_update(
+        index_elements=[u.c.day, u.c.model, u.c.account, u.c.worker],
+        set_={
+            "calls": u.c.calls + insert.excluded.calls,
+            "prompt_tokens": u.c.prompt_tokens + insert.excluded.prompt_tokens,
+            "completion_tokens": u.c.completion_tokens + insert.excluded.completion_tokens,
+            "cost": u.c.cost + insert.excluded.cost,
+        },
+    )
+    conn.execute(
+        stmt,
+        [
+            {
+                "day": day,
+                "model": model,
+                "account": account,
+                "worker": worker,
+                "provider": provider,
+                "calls": calls,
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "cost": cost,
+            }
+            for (day, model, account, worker), (
+                provider,
+                calls,
+                prompt,
+                completion,
+                cost,
+            ) in sorted(sums.items())
+        ],
+    )
+
+
+def today(conn: Connection, now: float) -> tuple[int, float]:
+    """Tokens and cost settled so far in the current UTC day."""
+    tokens, cost = conn.execute(
+        sa.select(
+            sa.func.coalesce(sa.func.sum(u.c.prompt_tokens + u.c.completion_tokens), 0),
+            sa.func.coalesce(sa.func.sum(u.c.cost), 0.0),
+        ).where(u.c.day == day_of(now))
+    ).one()
+    return int(tokens), float(cost)
+
+
+def by_day(conn: Connection, since: float) -> list[dict[str, Any]]:
+    """Usage per day and model since ``since`` (for ``busctl status``)."""
+    rows = conn.execute(
+        sa.select(
+            u.c.day,
+            u.c.model,
+            sa.func.sum(u.c.calls).label("calls"),
+            sa.func.sum(u.c.prompt_tokens + u.c.completion_tokens).label("tokens"),
+            sa.func.sum(u.c.cost).label("cost"),
+        )
+        .where(u.c.day >= day_of(since))
+        .group_by(u.c.day, u.c.model)
+        .order_by(u.c.day.desc(), u.c.model)
+    ).mappings()
+    return [dict(r) for r in rows]

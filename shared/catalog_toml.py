@@ -1,0 +1,288 @@
+"""Reading the catalog from the config file's tables, one clear ConfigError per problem."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from shared.catalog import (
+    OUTCOME_NAMES,
+    PROVIDER_KINDS,
+    SIM_PROVIDER,
+    AccountConfig,
+    AgentConfig,
+    CandidateSpec,
+    Catalog,
+    ModelConfig,
+    ProviderConfig,
+    RoleConfig,
+)
+from shared.errors import ConfigError
+from shared.tasks import NAME_RE
+
+#: Tables of the config file that are the catalog, not settings.
+SECTIONS = ("providers", "models", "roles", "agents", "bulkheads", "routing")
+_LIMITS = {"accounts", "concurrency", "rpm", "circuit", "timeout_sec"}
+_KEYS = {
+    "openai": _LIMITS | {"kind", "base_url", "api_key_env"},
+    "command": _LIMITS | {"kind", "argv", "exit_codes", "stderr_patterns"},
+    "simulated": _LIMITS | {"kind"},
+}
+
+
+def parse(doc: Mapping[str, Any]) -> Catalog:
+    bulkheads = {}
+    for name, size in _section(doc, "bulkheads", tables=False):
+        bulkheads[name] = _count(size, f"[bulkheads] {name}")
+    routing = dict(_section(doc, "routing", tables=False))
+    _only(routing, "[routing]", {"default_role"})
+    providers = {name: _provider(name, body) for name, body in _section(doc, "providers")}
+    if SIM_PROVIDER in providers and providers[SIM_PROVIDER].kind != "simulated":
+        raise ConfigError(f"[providers.{SIM_PROVIDER}]: this name is the simulated provider's")
+    models = {}
+    for model_id, body in _section(doc, "models"):
+        where = f"[models.{model_id!r}]"
+        _only(
+            body, where, {"provider", "name", "bulkhead", "input_cost_per_1k", "output_cost_per_1k"}
+        )
+        provider = body.get("provider")
+        if provider not in providers:
+            raise ConfigError(f"{where}: unknown provider {provider!r}")
+        bulkhead = body.get("bulkhead")
+        if bulkhead is not None and bulkhead not in bulkheads:
+            raise ConfigError(f"{where}: unknown bulkhead {bulkhead!r} (not in [bulkheads])")
+        models[model_id] = ModelConfig(
+            model_id,
+            provider,
+            _str(body, "name", where, model_id),
+            bulkhead,
+            _price(body, "input_cost_per_1k", where),
+            _price(body, "output_cost_per_1k", where),
+        )
+    catalog = Catalog(providers, models, bulkheads=bulkheads)
+    roles = {name: _role(catalog, name, body) for name, body in _section(doc, "roles")}
+    default_role = routing.get("default_role")
+    if default_role is not None and default_role not in roles:
+        raise ConfigError(f"[routing]: default_role {default_role!r} is not a configured role")
+    for name, role in roles.items():
+        if role.fallback is not None and role.fallback not in roles:
+            raise ConfigError(f"[roles.{name}]: unknown fallback role {role.fallback!r}")
+    for name in roles:
+        _no_loop(roles, name)
+    agents = {name: _agent(catalog, roles, name, body) for name, body in _section(doc, "agents")}
+    return Catalog(providers, models, roles, agents, bulkheads, default_role)
+
+
+def _no_loop(roles: Mapping[str, RoleConfig], start: str) -> None:
+    path = [start]
+    current = roles[start].fallback
+    while current is not None:
+        if current in path:
+            loop = " -> ".join([*path[path.index(current) :], current])
+            raise ConfigError(f"[roles.{start}]: fallback roles loop ({loop})")
+        path.append(current)
+        current = roles[current].fallback
+
+
+def _role(catalog: Catalog, name: str, body: Mapping[str, Any]) -> RoleConfig:
+    where = f"[roles.{name}]"
+    _only(body, where, {"models", "candidates", "fallback"})
+    if ("models" in body) == ("candidates" in body):
+        raise ConfigError(f"{where}: give either candidates or models")
+    raw = body.get("candidates", body.get("models"))
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{where}: candidates must be a non-empty list")
+    specs = []
+    for entry in raw:
+        if isinstance(entry, str):
+            spec = CandidateSpec(entry)
+        elif isinstance(entry, dict) and "models" not in body:
+            _only(entry, f"{where} candidate", {"model", "account"})
+            spec = CandidateSpec(
+                _str(entry, "model", f"{where} candidate"),
+                _str(entry, "account", f"{where} candidate") if "account" in entry else None,
+            )
+        else:
+            raise ConfigError(f"{where}: each candidate is a model id or {{ model, account }}")
+        if not catalog.knows(spec.model):
+            raise ConfigError(f"{where}: unknown model {spec.model!r}")
+        if spec.account is not None:
+            provider = catalog.provider(catalog.model(spec.model).provider)
+            if provider.account(spec.account) is None:
+                raise ConfigError(
+                    f"{where}: provider {provider.name!r} has no account {spec.account!r}"
+                )
+        specs.append(spec)
+    if len(set(specs)) != len(specs):
+        raise ConfigError(f"{where}: a candidate is listed twice")
+    fallback = body.get("fallback")
+    if fallback is not None and (not isinstance(fallback, str) or not NAME_RE.match(fallback)):
+        raise ConfigError(f"{where}: fallback must be a role name")
+    return RoleConfig(name, tuple(specs), fallback)
+
+
+def _agent(
+    catalog: Catalog, roles: Mapping[str, RoleConfig], name: str, body: Mapping[str, Any]
+) -> AgentConfig:
+    where = f"[agents.{name}]"
+    _only(body, where, {"role", "models", "rate", "rate_window_sec"})
+    if ("role" in body) == ("models" in body):
+        raise ConfigError(f"{where}: give either role or models")
+    rate = _count(body["rate"], f"{where} rate") if "rate" in body else None
+    window = body.get("rate_window_sec", 1.0)
+    if isinstance(window, bool) or not isinstance(window, (int, float)) or not window > 0:
+        raise ConfigError(f"{where}: rate_window_sec must be a positive number")
+    if "role" in body:
+        if body["role"] not in roles:
+            raise ConfigError(f"{where}: unknown role {body['role']!r}")
+        return AgentConfig(name, role=body["role"], rate=rate, rate_window_sec=float(window))
+    chain = body.get("models")
+    if not isinstance(chain, list) or not chain or not all(isinstance(m, str) for m in chain):
+        raise ConfigError(f"{where}: models must be a non-empty list of model ids")
+    for model in chain:
+        if not catalog.knows(model):
+            raise ConfigError(f"{where}: unknown model {model!r}")
+    if len(set(chain)) != len(chain):
+        raise ConfigError(f"{where}: a model is listed twice")
+    return AgentConfig(name, models=tuple(chain), rate=rate, rate_window_sec=float(window))
+
+
+def _provider(name: str, body: Mapping[str, Any]) -> ProviderConfig:
+    where = f"[providers.{name}]"
+    kind = body.get("kind")
+    if kind not in PROVIDER_KINDS:
+        raise ConfigError(f"{where}: kind must be one of {', '.join(PROVIDER_KINDS)}")
+    _only(body, where, _KEYS[kind])
+    timeout = body.get("timeout_sec")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+    ):
+        raise ConfigError(f"{where}: timeout_sec must be a positive number")
+    rpm = _count(body["rpm"], f"{where} rpm") if "rpm" in body else None
+    concurrency = (
+        _count(body["concurrency"], f"{where} concurrency") if "concurrency" in body else None
+    )
+    circuit = body.get("circuit", True)
+    if not isinstance(circuit, bool):
+        raise ConfigError(f"{where}: circuit must be true or false")
+    accounts = _accounts(body, where, rpm, needs_key=kind == "openai")
+    common: dict[str, Any] = {
+        "timeout_sec": timeout,
+        "accounts": accounts,
+        "concurrency": concurrency,
+        "circuit": circuit,
+    }
+    if kind == "simulated":
+        return ProviderConfig(name, kind, **common)
+    if kind == "openai":
+        base_url = _str(body, "base_url", where)
+        if not base_url.startswith(("http://", "https://")):
+            raise ConfigError(f"{where}: base_url must start with http:// or https://")
+        return ProviderConfig(name, kind, base_url=base_url.rstrip("/"), **common)
+    argv = body.get("argv")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise ConfigError(f"{where}: argv must be a non-empty list of strings")
+    codes: dict[int, str] = {}
+    for code, outcome in dict(body.get("exit_codes", {})).items():
+        if not str(code).lstrip("-").isdigit() or outcome not in OUTCOME_NAMES:
+            raise ConfigError(
+                f"{where}: exit_codes maps an exit code to one of {', '.join(OUTCOME_NAMES)}"
+            )
+        codes[int(code)] = outcome
+    patterns: dict[str, re.Pattern[str]] = {}
+    for outcome, pattern in dict(body.get("stderr_patterns", {})).items():
+        if outcome not in OUTCOME_NAMES or not isinstance(pattern, str):
+            raise ConfigError(
+                f"{where}: stderr_patterns maps one of {', '.join(OUTCOME_NAMES)} "
+                "to a regular expression"
+            )
+        try:
+            patterns[outcome] = re.compile(pattern, re.IGNORECASE)
+        except re.error as exc:
+            raise ConfigError(f"{where}: stderr_patterns.{outcome} is not a regex: {exc}") from None
+    return ProviderConfig(
+        name, kind, argv=tuple(argv), exit_codes=codes, stderr_patterns=patterns, **common
+    )
+
+
+def _accounts(
+    body: Mapping[str, Any], where: str, rpm: int | None, *, needs_key: bool
+) -> tuple[AccountConfig, ...]:
+    """``[providers.X.accounts.NAME]`` tables, or the single account of ``api_key_env``."""
+    if "api_key_env" in body and "accounts" in body:
+        raise ConfigError(f"{where}: give accounts or api_key_env, not both")
+    if "api_key_env" in body:
+        return (AccountConfig("default", _env_name(body, "api_key_env", where), rpm),)
+    table = body.get("accounts")
+    if table is None:
+        if needs_key:
+            raise ConfigError(
+                f"{where}: name the variable holding the key (api_key_env or accounts)"
+            )
+        return (AccountConfig("", None, rpm),)
+    if not isinstance(table, dict) or not table:
+        raise ConfigError(f"{where}: accounts must be a table of named accounts")
+    accounts = []
+    for name, account in table.items():
+        at = f"{where} account {name!r}"
+        if not NAME_RE.match(name) or not isinstance(account, dict):
+            raise ConfigError(f"{at}: must be a named table")
+        _only(account, at, {"key_env", "rpm"})
+        if needs_key and "key_env" not in account:
+            raise ConfigError(f"{at}: key_env must name the variable holding its key")
+        key_env = _env_name(account, "key_env", at) if "key_env" in account else None
+        own = _count(account["rpm"], f"{at} rpm") if "rpm" in account else rpm
+        accounts.append(AccountConfig(name, key_env, own))
+    return tuple(accounts)
+
+
+def _env_name(body: Mapping[str, Any], key: str, where: str) -> str:
+    value = _str(body, key, where)
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        raise ConfigError(f"{where}: {key} must be the NAME of an environment variable")
+    return value
+
+
+def _section(doc: Mapping[str, Any], key: str, *, tables: bool = True) -> list[tuple[str, Any]]:
+    section = doc.get(key, {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"[{key}] must be a table")
+    for name, body in section.items():
+        if not NAME_RE.match(name):
+            raise ConfigError(f"[{key}]: invalid name {name!r}")
+        if tables and not isinstance(body, dict):
+            raise ConfigError(f"[{key}.{name}] must be a table")
+    return list(section.items())
+
+
+def _only(body: Mapping[str, Any], where: str, allowed: set[str]) -> None:
+    extra = sorted(set(body) - allowed)
+    if extra:
+        raise ConfigError(f"{where}: unknown key {extra[0]!r}")
+
+
+def _str(body: Mapping[str, Any], key: str, where: str, default: str | None = None) -> str:
+    value = body.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: {key} must be a non-empty string")
+    return value
+
+
+def _count(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where} must be a whole number of at least 1, got {value!r}")
+    return value
+
+
+def _price(body: Mapping[str, Any], key: str, where: str) -> float:
+    value = body.get(key, 0.0)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ConfigError(f"{where}: {key} must be a non-negative number")
+    return float(value)

@@ -1,0 +1,270 @@
+"""Admission gates against the database (SQLite and Postgres), with an injected clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared import events
+from shared.admission.gates import Code, Refusal
+from shared.admission.routing import Candidate
+from shared.admission.store import Admission, Permit
+from shared.config import Config, load_config
+from shared.cooldowns import CooldownStore
+from shared.db import Database
+from shared.outcomes import Failed, RateLimited, Succeeded
+from tests.support import FakeClock
+
+CONFIG = """
+global_concurrency = {global_concurrency}
+daily_token_budget = {tokens}
+rpm_window_sec = 60
+admission_wait_ms = 0
+admission_recheck_sec = 2
+circuit_consecutive_failures = 3
+circuit_min_calls = 4
+circuit_window_sec = 10
+circuit_open_sec = 30
+
+[bulkheads]
+heavy = 1
+
+[providers.sim]
+kind = "simulated"
+rpm = {rpm}
+concurrency = {concurrency}
+[providers.sim.accounts.a]
+key_env = "SIM_KEY_A"
+[providers.sim.accounts.b]
+key_env = "SIM_KEY_B"
+
+[providers.edge]
+kind = "openai"
+base_url = "{endpoint}"
+api_key_env = "EDGE_KEY"
+
+[models."sim/big"]
+provider = "sim"
+bulkhead = "heavy"
+
+[models."edge-1"]
+provider = "edge"
+
+[agents.codex]
+models = ["sim/a"]
+rate = {agent_rate}
+rate_window_sec = 1
+"""
+ENV = {"SIM_KEY_A": "ka", "SIM_KEY_B": "kb", "EDGE_KEY": "ke"}
+
+
+def config(tmp_path: Path, **values: Any) -> Config:
+    fields = {
+        "global_concurrency": 0,
+        "tokens": 0,
+        "rpm": 1000,
+        "concurrency": 1000,
+        "agent_rate": 1000,
+        "endpoint": "http://127.0.0.1:9/v1",
+        **values,
+    }
+    path = tmp_path / "agentbus.toml"
+    path.write_text(CONFIG.format(**fields))
+    return load_config(path, environ=ENV)
+
+
+def admission(db: Database, clock: FakeClock, cfg: Config, worker: str = "w1") -> Admission:
+    cooldowns = CooldownStore(db, clock=clock, cache_sec=1e-9)
+    return Admission(
+        db, cfg, worker=worker, cooldowns=cooldowns, environ=ENV, clock=clock, cache_sec=1e-9
+    )
+
+
+def candidate(adm: Admission, model: str = "sim/a", account: str = "a") -> Candidate:
+    found = adm.resolve(models=(model,), role=None, agent="codex")
+    return next(c for c in found.candidates if c.account == account)
+
+
+def admit(adm: Admission, c: Candidate, agent: str = "codex") -> Permit | Refusal:
+    return adm.admit(c, agent=agent, task_id=1, lease_sec=60)
+
+
+def test_rpm_is_a_sliding_window_that_says_when_it_frees(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    adm = admission(db, clock, config(tmp_path, rpm=3))
+    a = candidate(adm)
+    first = clock.now
+    for _ in range(3):
+        permit = admit(adm, a)
+        assert isinstance(permit, Permit)
+        permit.__exit__(None, None, None)
+        clock.advance(10)
+    refusal = admit(adm, a)
+    assert isinstance(refusal, Refusal) and refusal.code is Code.RATE_LIMITED
+    assert refusal.retry_after == pytest.approx(first + 60)  # the oldest call leaves the window
+    assert refusal.as_dict(clock.now)["number"] == -32000
+    assert isinstance(admit(adm, candidate(adm, account="b")), Permit)  # per account
+    assert adm.peek(a, agent="codex") == refusal
+    clock.now = first + 60.001
+    assert adm.peek(a, agent="codex") is None
+    assert isinstance(admit(adm, a), Permit)
+
+
+def test_agent_rate_is_shared_by_all_its_workers(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    cfg = config(tmp_path, agent_rate=2)
+    one, two = admission(db, clock, cfg, "w1"), admission(db, clock, cfg, "w2")
+    assert isinstance(admit(one, candidate(one)), Permit)
+    clock.advance(0.25)
+    assert isinstance(admit(two, candidate(two, account="b")), Permit)
+    refusal = admit(one, candidate(one))
+    assert isinstance(refusal, Refusal) and refusal.code is Code.RATE_LIMITED
+    assert refusal.retry_after == pytest.approx(clock.now - 0.25 + 1)
+    assert isinstance(admit(one, candidate(one), agent="other"), Permit)
+
+
+def test_concurrency_slots_are_leased_and_released(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    adm = admission(db, clock, config(tmp_path, concurrency=2))
+    a, b = candidate(adm), candidate(adm, account="b")
+    held = admit(adm, a)
+    assert isinstance(held, Permit)
+    permit = admit(adm, b)
+    assert isinstance(permit, Permit)
+    with pytest.raises(RuntimeError), permit:
+        raise RuntimeError("the call blew up")  # the slot still comes back
+    second = admit(adm, b)
+    assert isinstance(second, Permit)
+    refusal = admit(adm, a)  # provider limit 2, shared by both accounts
+    assert isinstance(refusal, Refusal) and refusal.code is Code.CONCURRENCY_FULL
+    assert refusal.retry_after == pytest.approx(clock.now + 2)  # unknown: look again soon
+    with held:
+        pass
+    assert isinstance(admit(adm, a), Permit)
+    # A process that died never releases: its lease (60 s) gives the slot back.
+    clock.advance(61)
+    assert isinstance(admit(adm, a), Permit)
+
+
+def test_global_concurrency_and_bulkheads(db: Database, clock: FakeClock, tmp_path: Path) -> None:
+    adm = admission(db, clock, config(tmp_path, global_concurrency=2))
+    big = candidate(adm, "sim/big")
+    assert isinstance(admit(adm, big), Permit)
+    refusal = admit(adm, candidate(adm, "sim/big", "b"))
+    assert isinstance(refusal, Refusal) and refusal.code is Code.BULKHEAD_FULL
+    assert refusal.as_dict(clock.now)["number"] == -32002
+    assert isinstance(admit(adm, candidate(adm)), Permit)
+    refusal = admit(adm, candidate(adm, account="b"))
+    assert isinstance(refusal, Refusal) and refusal.code is Code.CONCURRENCY_FULL
+
+
+def test_daily_budget_refuses_until_the_utc_day_ends(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    adm = admission(db, clock, config(tmp_path, tokens=100))
+    a = candidate(adm)
+    assert isinstance(admit(adm, a), Permit)  # in flight: may cross the threshold
+    route = {"decision": "call", "provider": "sim", "model": "sim/a", "account": "a"}
+    settled = {**route, "at": clock.now, "worker": "w1", "prompt_tokens": 90, "cost": 0.5}
+    db.write(lambda conn: events.usage.record(conn, [{**settled, "completion_tokens": 15}]))
+    refusal = admit(adm, a)
+    assert isinstance(refusal, Refusal) and refusal.code is Code.BUDGET_EXHAUSTED
+    assert refusal.retry_after == (clock.now // 86400 + 1) * 86400
+    clock.now = refusal.retry_after
+    assert isinstance(admit(adm, a), Permit)
+
+
+def test_cooldowns_of_a_model_and_of_one_account(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    adm = admission(db, clock, config(tmp_path))
+    a, b = candidate(adm), candidate(adm, account="b")
+    adm.cooldowns.set("sim/a@a", clock.now + 50, reason="RateLimited")
+    refusal = admit(adm, a)
+    assert isinstance(refusal, Refusal) and refusal.code is Code.COOLDOWN
+    assert refusal.retry_after == clock.now + 50
+    assert isinstance(admit(adm, b), Permit)
+    adm.cooldowns.set("sim/a", clock.now + 70, reason="RateLimited")
+    assert admit(adm, b) == Refusal(Code.COOLDOWN, clock.now + 70, "sim/a@b is cooling down")
+    assert isinstance(admit(adm, a), Refusal) and admit(adm, a).retry_after == clock.now + 70
+
+
+def finish(adm: Admission, c: Candidate, ok: bool) -> Permit | Refusal:
+    permit = admit(adm, c)
+    if isinstance(permit, Permit):
+        adm.finish(permit, Succeeded("x") if ok else Failed("HTTP 502", retryable=True))
+    return permit
+
+
+def test_circuit_opens_sends_one_probe_and_closes(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    cfg = config(tmp_path)
+    adms = [admission(db, clock, cfg, f"w{i}") for i in range(4)]
+    edge = candidate(adms[0], "edge-1", "default")
+    for adm in adms[:3]:
+        finish(adm, edge, ok=False)  # 3 consecutive failures
+    refusal = admit(adms[3], edge)
+    assert isinstance(refusal, Refusal) and refusal.code is Code.CIRCUIT_OPEN
+    assert refusal.retry_after == pytest.approx(clock.now + 30)
+    assert refusal.as_dict(clock.now)["number"] == -32001
+    clock.advance(30)
+    answers = [admit(adm, edge) for adm in adms]  # four processes race: one probe
+    probes = [a for a in answers if isinstance(a, Permit)]
+    assert len(probes) == 1 and probes[0].probe
+    assert all(isinstance(a, Refusal) and a.code is Code.CIRCUIT_OPEN for a in answers[1:])
+    probes[0].admission.finish(probes[0], Failed("HTTP 502", retryable=True))  # re-opens
+    assert isinstance(admit(adms[1], edge), Refusal)
+    clock.advance(30)
+    probe = admit(adms[2], edge)
+    assert isinstance(probe, Permit) and probe.probe
+    adms[2].finish(probe, Succeeded("ok"))  # closes
+    assert all(isinstance(admit(adm, edge), Permit) for adm in adms)
+
+
+def test_circuit_opens_on_the_failure_share_of_its_window(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    adm = admission(db, clock, config(tmp_path))
+    edge = candidate(adm, "edge-1", "default")
+    for ok in (True, False, True, False):  # 2 of 4 failed, never 3 in a row
+        finish(adm, edge, ok)
+        clock.advance(1)
+    assert isinstance(admit(adm, edge), Refusal)
+    # A 429 says nothing about the endpoint: it does not count.
+    adm2 = admission(db, clock, config(tmp_path, endpoint="http://127.0.0.1:8/v1"))
+    assert isinstance(admit(adm2, edge), Permit)  # an edited endpoint starts afresh
+    for _ in range(5):
+        permit = admit(adm2, edge)
+        assert isinstance(permit, Permit)
+        adm2.finish(permit, RateLimited("429"))
+
+
+def test_a_refused_credential_leaves_the_account_out_until_it_changes(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    cfg = config(tmp_path)
+    adm = admission(db, clock, cfg)
+    adm.mark_unusable(candidate(adm), "HTTP 401")
+    other = admission(db, clock, cfg, "w2")  # another process reads it from the database
+    found = other.resolve(models=("sim/a",), role=None, agent="codex")
+    assert [c.key for c in found.candidates] == ["sim/a@b"]
+    assert found.left_out == (
+        "sim/a@a: credential refused (unusable until the account's config changes)",
+    )
+    rotated = Admission(
+        db,
+        cfg,
+        worker="w3",
+        cooldowns=adm.cooldowns,
+        environ={**ENV, "SIM_KEY_A": "a-new-key"},
+        clock=clock,
+        cache_sec=1e-9,
+    )
+    found = rotated.resolve(models=("sim/a",), role=None, agent="codex")
+    assert [c.key for c in found.candidates] == ["sim/a@a", "sim/a@b"]
