@@ -57,7 +57,8 @@ _CLAIMED_CHANGES: dict[str, Mapping[str, Any]] = {
     },
     # No attempt is spent. first_paused_at marks the start of the pause episode
     # and survives resume/re-pause; a resumed task that pauses again on the same
-    # model raises reentry_count, another model resets it.
+    # model's cooldown raises reentry_count; another model, or a pause for a gate
+    # (a full rate window, an open circuit: p_reentry false), resets it.
     "pause": {
         "resume_after": _p("p_resume_after", sa.Float),
         "pause_reason": _p("p_reason"),
@@ -67,7 +68,11 @@ _CLAIMED_CHANGES: dict[str, Mapping[str, Any]] = {
         "paused_at": P_NOW,
         "reentry_count": sa.case(
             (
-                sa.and_(t.c.resume_count > 0, t.c.pause_model == _p("p_model")),
+                sa.and_(
+                    t.c.resume_count > 0,
+                    t.c.pause_model == _p("p_model"),
+                    _p("p_reentry", sa.Boolean),
+                ),
                 t.c.reentry_count + 1,
             ),
             else_=0,

@@ -114,6 +114,7 @@ class Worker:
                     if self.options.drain:
                         break
                     self._beat_if_due()
+                    self._reload_if_changed()
                     self.stopping.wait(self.options.poll_sec)
                     continue
                 with self._lock:
@@ -266,6 +267,7 @@ class Worker:
                         worker=me,
                         detail={"cooling": dict(d.cooling), **run.detail()},
                         routes=run.routes,
+                        cooldown=d.reason == policy.ALL_COOLING,
                     )
                     self.log.info(
                         "task_paused",

@@ -199,12 +199,21 @@ class Admission:
             if isinstance(verdict, Refusal):
                 refusals.append(verdict)
             gates["circuit"] = verdict if isinstance(verdict, str) else "refused"
-        if refusals:  # cheap refusals need no database
+        limits = self._limits(c, agent)
+        limited = bool(limits.slot or limits.tokens or limits.cost)
+        if refusals:
+            # Refused already (from the caches); but it is admitted only once every
+            # gate admits, so the limited ones say how long that is (nothing taken).
+            if limited:
+                later = self.db.read(
+                    lambda conn: self._check(conn, c, agent, None, 0.0, limits, gates, False)
+                )
+                if isinstance(later, Refusal):
+                    refusals.append(later)
             refused = refuse(refusals, gates)
             assert refused is not None
             return refused
-        limits = self._limits(c, agent)
-        if not limits.slot and not limits.tokens and not limits.cost and verdict == "ok":
+        if not limited and verdict == "ok":
             return Permit(self, c, None, False, gates) if take else None
 
         def work(conn: Connection) -> Permit | Refusal | None:

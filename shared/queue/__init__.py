@@ -291,15 +291,24 @@ class TaskQueue(SweepOps):
         worker: str | None = None,
         detail: Mapping[str, Any] | None = None,
         routes: Routes = (),
+        cooldown: bool = True,
     ) -> None:
-        """Every candidate is refused for a temporary reason: park the task (no attempt spent)."""
+        """Every candidate is refused for a temporary reason: park the task (no attempt spent).
+
+        ``cooldown`` False (a gate refused: a rate window, a circuit, slots) does not
+        count as re-entering ``model``'s cooldown (the sweeper's re-entry rule)."""
         self._settle(
             "pause",
             task_id,
             token,
             worker,
             reason,
-            {"p_resume_after": resume_after, "p_reason": reason, "p_model": model},
+            {
+                "p_resume_after": resume_after,
+                "p_reason": reason,
+                "p_model": model,
+                "p_reentry": cooldown,
+            },
             detail={"resume_after": resume_after, "model": model, **(detail or {})},
             routes=routes,
         )
