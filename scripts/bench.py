@@ -6,6 +6,10 @@ Workload (per backend):
 - enqueue, batch: ``TaskQueue.enqueue_many`` in batches of 500.
 - cooldown check: ``CooldownStore.cooling`` of a 3-model chain with 50 active
   cooldowns, through the 1 s cache and with no cache (one read each time).
+- admission: ``Admission.admit`` + ``finish`` of one candidate, N times, with
+  every gate configured (global, provider and bulkhead concurrency, rpm, agent
+  rate, daily token and cost budget, circuit: one transaction each way) and
+  with none (cached reads only).
 - worker processes: 2 real ``worker --drain`` processes run T/2 simulated no-op
   tasks one at a time (claim, call, complete, each its own transaction),
   measured from spawn to exit (start-up included); peak RSS of one worker.
@@ -54,11 +58,13 @@ import psycopg
 import sqlalchemy as sa
 
 from shared import reads
+from shared.admission.store import Admission, Permit
 from shared.catalog import Catalog
-from shared.config import Settings
+from shared.config import Config, Settings, load_config
 from shared.cooldowns import CooldownStore
 from shared.db import Database, migrate
 from shared.logging import configure
+from shared.outcomes import Succeeded
 from shared.queue import Completion, TaskQueue
 from shared.schema import bus_commands
 from shared.tasks import TaskSpec
@@ -340,10 +346,64 @@ def _rss_kib(pid: int) -> int:
     return 0
 
 
+ALL_GATES = """
+global_concurrency = 1000
+daily_token_budget = 1000000000000
+daily_cost_budget = 1000000
+[bulkheads]
+heavy = 1000
+[providers.sim]
+kind = "simulated"
+concurrency = 1000
+rpm = 1000000
+[providers.sim.accounts.a]
+key_env = "BENCH_KEY"
+[models."sim/gated"]
+provider = "sim"
+bulkhead = "heavy"
+[agents.bench]
+models = ["sim/gated"]
+rate = 1000000
+"""
+
+
+def bench_admission(db: Database, calls: int) -> list[tuple[str, str]]:
+    """Admission per call: every gate configured (one transaction), and none (no I/O)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "agentbus.toml"
+        path.write_text(ALL_GATES)
+        config = load_config(path, environ={})
+    env = {"BENCH_KEY": "k"}
+    unlimited = Config(Settings(), Catalog(), None)
+    rows = []
+    for label, model, cfg in (
+        ("every gate", "sim/gated", config),
+        ("no limit configured", "sim/free", unlimited),
+    ):
+        cooldowns = CooldownStore(db)
+        adm = Admission(db, cfg, worker="bench", cooldowns=cooldowns, environ=env)
+        (candidate,) = adm.resolve(models=(model,), role=None, agent="bench").candidates
+        admit_s = finish_s = 0.0
+        for _ in range(calls):
+            started = time.perf_counter()
+            permit = adm.admit(candidate, agent="bench", task_id=1, lease_sec=60)
+            admitted = time.perf_counter()
+            assert isinstance(permit, Permit), permit
+            adm.finish(permit, Succeeded("ok"))
+            admit_s += admitted - started
+            finish_s += time.perf_counter() - admitted
+        rows.append((f"admission decision, {label}", f"{admit_s / calls * 1e6:,.0f} µs"))
+        rows.append(
+            (f"admission release + circuit count, {label}", f"{finish_s / calls * 1e6:,.0f} µs")
+        )
+    return rows
+
+
 def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     db = Database(url, sqlite_synchronous=args.sqlite_synchronous)
     rows = bench_enqueue(TaskQueue(db), args.single, args.tasks * 2)
     rows += bench_cooldowns(db)
+    rows += bench_admission(db, args.admissions)
     db.dispose()
     rows += bench_workers(url, args.sqlite_synchronous, 2, args.tasks // 2)
     rows += bench_sweeper(url, args.sqlite_synchronous, [int(n) for n in args.paused.split(",")])
@@ -363,6 +423,7 @@ def main() -> None:
     parser.add_argument("--processes", default="1,2,4")
     parser.add_argument("--batches", default="1,10", help="claim batch sizes")
     parser.add_argument("--paused", default="10000,100000", help="paused tasks per sweep pass")
+    parser.add_argument("--admissions", type=int, default=1000, help="admissions timed")
     parser.add_argument("--sqlite-synchronous", default="FULL")
     parser.add_argument(
         "--compare-tasks",
