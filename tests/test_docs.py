@@ -19,3 +19,18 @@ def test_every_setting_and_env_var_is_documented() -> None:
 def test_the_example_config_loads() -> None:
     config = load_config(ROOT / "agentbus.example.toml", environ={})
     assert config.catalog.chain_for(models=None, role=None, agent="codex")[0] == "claude-opus"
+
+
+def test_the_example_config_shows_every_catalog_key() -> None:
+    from shared import catalog_toml
+
+    text = (ROOT / "agentbus.example.toml").read_text()
+    keys = set().union(*catalog_toml._KEYS.values()) | {"key_env", "rpm", "models", "candidates"}
+    keys |= {"fallback", "role", "rate", "rate_window_sec", "bulkhead", "default_role"}
+    keys |= {"input_cost_per_1k", "output_cost_per_1k", "provider", "name", "account"}
+    for key in sorted(keys):
+        shown = (f"{key} =", f".{key}.", f"{{ {key} =")  # a key, a table, an inline key
+        assert any(form in text for form in shown), key
+    for setting in Settings.fields_doc():
+        if setting.startswith(("circuit_", "admission_", "daily_", "rpm_", "global_")):
+            assert f"\n{setting} =" in text, setting
