@@ -19,6 +19,7 @@ from sqlalchemy.engine import Connection
 
 from shared import retention
 from shared import workers as worker_rows
+from shared.admission.gates import Refusal
 from shared.admission.routing import Candidate
 from shared.admission.store import Admission
 from shared.catalog import Catalog
@@ -76,7 +77,11 @@ def resume(s: Sweep) -> dict[str, int]:
     reload_if_changed(s)
     counts = {"resumed": 0, "postponed": 0, "held": 0}
     batch = s.settings.sweep_batch
-    admissible: set[tuple[str, str]] = set()  # asked once per pass
+    # Admission is asked once per candidate and pass; the room it reports is
+    # spent by the tasks resumed for it, over all batches of the pass.
+    seen: set[tuple[str, str]] = set()
+    blocked: dict[tuple[str, str], float] = {}
+    room: dict[tuple[str, str], int] = {}
     for _ in range(MAX_ROUNDS):
         due_query = (
             sa.select(
@@ -96,18 +101,18 @@ def resume(s: Sweep) -> dict[str, int]:
         rows = s.db.read(_rows(due_query))
         if not rows:
             break
-        blocked: dict[tuple[str, str], float] = {}
         due = []
         for r in rows:
             chain = _candidates(s, r)
             for candidate in chain or ():
                 key = (r.agent, candidate.key)
-                if key not in blocked and key not in admissible:
-                    refusal = s.admission.peek(candidate, agent=r.agent)
-                    if refusal is None:
-                        admissible.add(key)
-                    else:
-                        blocked[key] = refusal.retry_after
+                if key not in blocked and key not in seen:
+                    seen.add(key)
+                    answer = s.admission.peek(candidate, agent=r.agent)
+                    if isinstance(answer, Refusal):
+                        blocked[key] = answer.retry_after
+                    elif answer.room is not None:
+                        room[key] = answer.room
             due.append(
                 DueTask(
                     r.id,
@@ -124,7 +129,10 @@ def resume(s: Sweep) -> dict[str, int]:
             blocked,
             reentry_limit=s.settings.reentry_limit,
             reentry_hold_sec=s.settings.reentry_hold_sec,
+            room=room,
+            recheck_at=s.clock() + s.settings.admission_recheck_sec,
         )
+        room = plan.room_left  # what these resumes take is gone for the next batch
         agents = {d.id: d for d in due}
         for task_id in s.queue.resume(plan.resume):
             log.info(

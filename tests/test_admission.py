@@ -10,7 +10,7 @@ import pytest
 from shared import events
 from shared.admission.gates import Code, Refusal
 from shared.admission.routing import Candidate
-from shared.admission.store import Admission, Permit
+from shared.admission.store import Admissible, Admission, Permit
 from shared.config import Config, load_config
 from shared.cooldowns import CooldownStore
 from shared.db import Database
@@ -109,8 +109,11 @@ def test_rpm_is_a_sliding_window_that_says_when_it_frees(
     assert isinstance(admit(adm, candidate(adm, account="b")), Permit)  # per account
     assert adm.peek(a, agent="codex") == refusal
     clock.now = first + 60.001
-    assert adm.peek(a, agent="codex") is None
+    assert adm.peek(a, agent="codex") == Admissible(room=1)  # one call left the window
     assert isinstance(admit(adm, a), Permit)
+    assert adm.peek(a, agent="codex") == refusal.__class__(
+        Code.RATE_LIMITED, first + 10 + 60, refusal.detail
+    )
 
 
 def test_agent_rate_is_shared_by_all_its_workers(

@@ -15,6 +15,7 @@ from shared.cooldowns import CooldownStore
 from shared.db import Database
 from shared.queue import TaskQueue
 from shared.schema import metadata
+from shared.tasks import TaskSpec
 
 Run = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -192,3 +193,71 @@ def test_cooldowns_lists_the_active_ones(db_url: str, run_busctl: Run) -> None:
     assert [(r["model_id"], r["source"]) for r in shown] == [("sim/live", "w1")]
     assert 0 < shown[0]["seconds_left"] <= 600
     assert "sim/live" in run_busctl("--db", db_url, "cooldowns").stdout
+
+
+def route_row(task_id: int, token: int, **values: object) -> dict[str, object]:
+    row: dict[str, object] = {
+        "task_id": task_id,
+        "claim_token": token,
+        "agent": "codex",
+        "worker": "w1",
+        "model": "sim/a",
+        "decision": "call",
+        "outcome": "ok",
+        "cooldown_until": None,
+        "at": time.time(),
+        "role": "coder",
+        "fallback_from": None,
+        "provider": "sim",
+        "account": None,
+        "code": None,
+        "retry_after": None,
+        "gates": {"cooldown": "ok"},
+        "prompt_tokens": 30,
+        "completion_tokens": 12,
+        "cost": 0.25,
+    }
+    return {**row, **values}
+
+
+def test_routes_and_usage_are_shown(db_url: str, run_busctl: Run) -> None:
+    db = Database(db_url)
+    queue = TaskQueue(db)
+    task_id = queue.enqueue(TaskSpec(agent="codex", command="x", models=("sim/a",))).id
+    (task,) = queue.claim("codex", "w1", 30)
+    refused = route_row(
+        task.id,
+        task.claim_token,
+        model="sim/b",
+        decision="refuse",
+        outcome=None,
+        code="rate_limited",
+        retry_after=time.time() + 30,
+        fallback_from="lead",
+        prompt_tokens=None,
+        completion_tokens=None,
+        cost=None,
+    )
+    called = route_row(task.id, task.claim_token)
+    queue.complete(task.id, task.claim_token, "ok", worker="w1", routes=[refused, called])
+    db.dispose()
+
+    shown = json.loads(
+        run_busctl("--db", db_url, "routes", "--task", str(task_id), "--json").stdout
+    )
+    assert [(r["model"], r["decision"], r["code"]) for r in shown] == [
+        ("sim/a", "call", None),
+        ("sim/b", "refuse", "rate_limited"),
+    ]
+    text = run_busctl("--db", db_url, "routes", "--limit", "1").stdout
+    assert "sim/a" in text and "sim/b" not in text and "42" in text  # tokens 30 + 12
+    assert "rate_limited until" in run_busctl("--db", db_url, "routes").stdout
+    status = json.loads(run_busctl("--db", db_url, "status", "--json").stdout)
+    (usage,) = status["usage_today"]
+    assert (usage["model"], usage["calls"], usage["tokens"], usage["cost"]) == (
+        "sim/a",
+        1,
+        42,
+        0.25,
+    )
+    assert "42 tokens" in run_busctl("--db", db_url, "status").stdout

@@ -217,3 +217,19 @@ def test_plan_resume_is_pure() -> None:
     assert plan.resume == [1, 3]
     assert plan.postpone == {2: 40.0}
     assert plan.hold == {4: 305.0}
+
+
+def test_plan_resume_resumes_no_more_tasks_than_there_is_room_for() -> None:
+    due = [DueTask(i, "a", ("m1", "m2"), 10.0, 0.0, "m1", 0) for i in range(1, 6)]
+    due.append(DueTask(6, "b", ("m1",), 10.0, 0.0, "m1", 0))
+    plan = plan_resume(
+        due,
+        {("a", "m2"): 50.0},
+        reentry_limit=3,
+        reentry_hold_sec=300,
+        room={("a", "m1"): 2, ("b", "m1"): 0},
+        recheck_at=12.0,
+    )
+    assert plan.resume == [1, 2]  # two calls fit now; the others would only pause again
+    assert plan.postpone == {3: 12.0, 4: 12.0, 5: 12.0, 6: 12.0}
+    assert plan.room_left == {("a", "m1"): 0, ("b", "m1"): 0}

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from shared import cli
 from shared.config import load_config
 from shared.db import Database
 from shared.errors import ConfigError
-from shared.logging import configure
+from shared.logging import configure, get_logger
 from shared.tasks import NAME_RE
 from worker.loop import Options, Worker
+
+log = get_logger("agentbus.worker")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -77,6 +81,16 @@ def worker(
             f"unknown agent {agent!r}: {config.path} configures "
             f"{', '.join(sorted(config.catalog.agents))}"
         )
+    for provider in config.catalog.providers.values():
+        for account in provider.accounts:
+            if account.key_env and not os.environ.get(account.key_env):
+                log.warning(
+                    "credentials_missing",
+                    provider=provider.name,
+                    account=account.name,
+                    variable=account.key_env,
+                    effect="its candidates are skipped",
+                )
     settings = config.settings
     db = Database.from_settings(settings)
     try:

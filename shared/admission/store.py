@@ -70,6 +70,13 @@ class Permit:
 
 
 @dataclass(frozen=True)
+class Admissible:
+    """A peek's yes: ``room`` more calls fit now (None: no limit counts them)."""
+
+    room: int | None = None
+
+
+@dataclass(frozen=True)
 class _Limits:
     """The database-backed gates that apply to one candidate."""
 
@@ -158,7 +165,7 @@ class Admission:
         attempt = self._admit_once
         answer = attempt(candidate, agent, task_id, lease_sec, True)
         if not _slot_refusal(answer) or wait <= 0:
-            assert answer is not None  # only a peek answers None
+            assert isinstance(answer, (Permit, Refusal))  # only a peek answers otherwise
             return answer
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_result(_slot_refusal),
@@ -167,22 +174,21 @@ class Admission:
             sleep=self.sleep,
             retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
         )
-        result: Permit | Refusal | None = retrying(
-            attempt, candidate, agent, task_id, lease_sec, True
-        )
-        assert result is not None
+        result = retrying(attempt, candidate, agent, task_id, lease_sec, True)
+        assert isinstance(result, (Permit, Refusal))
         return result
 
-    def peek(self, candidate: Candidate, *, agent: str) -> Refusal | None:
-        """Would ``candidate`` be admitted now? Takes nothing (the sweeper's resume check)."""
+    def peek(self, candidate: Candidate, *, agent: str) -> Refusal | Admissible:
+        """Would ``candidate`` be admitted now, and how many calls fit? Takes nothing
+        (the sweeper's resume check: it resumes no more tasks than there is room for)."""
         answer = self._admit_once(candidate, agent, None, 0.0, False)
         assert not isinstance(answer, Permit)
-        return answer
+        return Admissible() if answer is None else answer
 
     def _admit_once(
         self, c: Candidate, agent: str, task_id: int | None, lease_sec: float, take: bool
-    ) -> Permit | Refusal | None:
-        """Permit or refusal; when not ``take``-ing, None means admissible."""
+    ) -> Permit | Refusal | Admissible | None:
+        """Permit or refusal; when not ``take``-ing, Admissible (or None: no limit)."""
         now = self.clock()
         self._refresh()
         gates: dict[str, Any] = {}
@@ -216,7 +222,7 @@ class Admission:
         if not limited and verdict == "ok":
             return Permit(self, c, None, False, gates) if take else None
 
-        def work(conn: Connection) -> Permit | Refusal | None:
+        def work(conn: Connection) -> Permit | Refusal | Admissible:
             return self._check(conn, c, agent, task_id, lease_sec, limits, gates, take)
 
         return self.db.write(work) if take else self.db.read(work)
@@ -231,11 +237,12 @@ class Admission:
         limits: _Limits,
         gates: dict[str, Any],
         take: bool,
-    ) -> Permit | Refusal | None:
+    ) -> Permit | Refusal | Admissible:
         if take and self.db.dialect == "postgresql":
             conn.execute(sa.select(sa.func.pg_advisory_xact_lock(ADVISORY_KEY)))
         now = self.clock()
         refusals: list[Refusal] = []
+        rooms: list[int] = []
         recheck = now + self.settings.admission_recheck_sec
         open_slot = sa.and_(call_slots.c.released_at.is_(None), call_slots.c.lease_until > now)
         for gate, code, limit, where in (
@@ -259,6 +266,7 @@ class Admission:
                 sa.select(sa.func.count()).select_from(call_slots).where(open_slot, where)
             ).scalar_one()
             gates[gate] = f"{used}/{limit}"
+            rooms.append(limit - used)
             if used >= limit:
                 refusals.append(Refusal(code, recheck, f"{gate}: {used}/{limit} calls in flight"))
         windows = []
@@ -284,6 +292,13 @@ class Admission:
             ).scalar()
             free_at = window_free_at(nth, window, now)
             gates[gate] = "ok" if free_at is None else "refused"
+            if not take and free_at is None:
+                used = conn.execute(
+                    sa.select(sa.func.count())
+                    .select_from(call_slots)
+                    .where(where, call_slots.c.admitted_at > now - window)
+                ).scalar_one()
+                rooms.append(limit - used)
             if free_at is not None:
                 what = f"{c.provider}/{c.account or '-'}" if gate == "rpm" else f"agent {agent}"
                 refusals.append(
@@ -317,8 +332,10 @@ class Admission:
                 refusals.append(verdict)
             probe = verdict == "probe"
         refused = refuse(refusals, gates)
-        if refused is not None or not take:
+        if refused is not None:
             return refused
+        if not take:
+            return Admissible(min(rooms) if rooms else None)
         if probe:
             conn.execute(
                 sa.update(circuits)

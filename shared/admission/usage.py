@@ -91,4 +91,14 @@ def by_day(conn: Connection, since: float) -> list[dict[str, Any]]:
         .group_by(u.c.day, u.c.model)
         .order_by(u.c.day.desc(), u.c.model)
     ).mappings()
-    return [dict(r) for r in rows]
+    # Postgres sums BIGINT as NUMERIC: plain numbers for JSON and tables.
+    return [
+        {
+            "day": float(r["day"]),
+            "model": r["model"],
+            "calls": int(r["calls"]),
+            "tokens": int(r["tokens"]),
+            "cost": float(r["cost"]),
+        }
+        for r in rows
+    ]
