@@ -76,6 +76,10 @@ class CooldownStore:
         active = self.active()
         return {m: active[m] for m in models if m in active}
 
+    def refresh(self) -> None:
+        """Read the table now (the sweeper: once per pass, then from memory)."""
+        self._refresh(self.clock())
+
     def details(self) -> list[dict[str, Any]]:
         """Every active cooldown row (model, until, reason, source), soonest to end first."""
         now = self.clock()

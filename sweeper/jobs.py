@@ -50,9 +50,10 @@ class Sweep:
 
     def __post_init__(self) -> None:
         self.queue = TaskQueue(self.db, clock=self.clock, max_attempts=self.settings.max_attempts)
-        # The sweeper decides from the tables themselves, never from a cache.
+        # The sweeper reads the tables once at the start of each pass (``fresh``),
+        # never from an older cache: a pass over 1,000 due tasks is not 1,000 reads.
         self.cooldowns = CooldownStore(
-            self.db, clock=self.clock, cache_sec=1e-9, slow_read_ms=float("inf")
+            self.db, clock=self.clock, cache_sec=float("inf"), slow_read_ms=float("inf")
         )
         self.admission = Admission(
             self.db,
@@ -61,8 +62,12 @@ class Sweep:
             cooldowns=self.cooldowns,
             environ=None,  # the sweeper needs no keys: workers check credentials
             clock=self.clock,
-            cache_sec=1e-9,
+            cache_sec=float("inf"),
         )
+
+    def fresh(self) -> None:
+        self.cooldowns.refresh()
+        self.admission.refresh()
 
 
 def reload_if_changed(s: Sweep) -> None:
@@ -75,6 +80,7 @@ def reload_if_changed(s: Sweep) -> None:
 def resume(s: Sweep) -> dict[str, int]:
     """Re-queue due pauses that admission would let through; move the others' resume time."""
     reload_if_changed(s)
+    s.fresh()
     counts = {"resumed": 0, "postponed": 0, "held": 0}
     batch = s.settings.sweep_batch
     # Admission is asked once per candidate and pass; the room it reports is

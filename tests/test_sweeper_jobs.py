@@ -12,7 +12,7 @@ from shared.catalog import Catalog
 from shared.config import Settings
 from shared.db import Database
 from shared.errors import TransitionRejected
-from shared.schema import model_cooldown, ops_todos, task_events, workers
+from shared.schema import call_slots, model_cooldown, ops_todos, route_log, task_events, workers
 from shared.tasks import TaskSpec
 from sweeper import jobs
 from sweeper.policy import DueTask, plan_resume
@@ -233,3 +233,34 @@ def test_plan_resume_resumes_no_more_tasks_than_there_is_room_for() -> None:
     assert plan.resume == [1, 2]  # two calls fit now; the others would only pause again
     assert plan.postpone == {3: 12.0, 4: 12.0, 5: 12.0, 6: 12.0}
     assert plan.room_left == {("a", "m1"): 0, ("b", "m1"): 0}
+
+
+def test_old_routing_history_and_spent_call_slots_are_purged(
+    db: Database, clock: FakeClock
+) -> None:
+    s = jobs.Sweep(
+        db, Settings(route_retention_sec=3600, rpm_window_sec=60), Catalog(), clock=clock
+    )
+    task = s.queue.enqueue(TaskSpec(agent="a", command="x", models=("sim/a",)))
+    (claimed,) = s.queue.claim("a", "w", 30)
+    route = {"task_id": task.id, "claim_token": claimed.claim_token, "agent": "a"}
+    route |= {"worker": "w", "model": "sim/a", "decision": "call", "outcome": "ok"}
+    s.queue.complete(claimed.id, claimed.claim_token, routes=[{**route, "at": clock.now}])
+    slot = {"provider": "sim", "model": "sim/a", "agent": "a", "admitted_at": clock.now}
+    db.write(
+        lambda conn: conn.execute(
+            sa.insert(call_slots),
+            [
+                {**slot, "lease_until": clock.now + 30, "released_at": clock.now + 1},
+                {**slot, "lease_until": clock.now + 600, "released_at": None},  # held: kept
+            ],
+        )
+    )
+    clock.advance(61)
+    assert jobs.purge(s) == {"purged": 0, "slots_purged": 1}
+    clock.advance(3600)
+    jobs.prune(s)
+    with db.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(route_log)).scalar() == 0
+        assert conn.execute(sa.select(sa.func.count()).select_from(call_slots)).scalar() == 1
+    assert reads.get_task(db, task.id).status == "done"  # the task itself is kept longer

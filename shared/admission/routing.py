@@ -128,6 +128,10 @@ def _unusable_because(
         return None
     if account.key_env and not environ.get(account.key_env):
         return f"no credentials (${account.key_env} is not set)"
-    if (provider.name, account.name, fingerprint(provider, account, environ)) in unusable:
+    refused = any(p == provider.name and a == account.name for p, a, _ in unusable)
+    if (
+        refused
+        and (provider.name, account.name, fingerprint(provider, account, environ)) in unusable
+    ):
         return "credential refused (unusable until the account's config changes)"
     return None

@@ -531,6 +531,11 @@ class Admission:
 
     # -- the caches ----------------------------------------------------------
 
+    def refresh(self) -> None:
+        """Read circuits and refused accounts now (the sweeper: once per pass)."""
+        self._read_at = None
+        self._refresh()
+
     def _refresh(self) -> None:
         now = self.clock()
         if self._read_at is not None and now - self._read_at < self.cache_sec:

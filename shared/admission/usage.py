@@ -6,6 +6,7 @@ Written in the settle transaction from the call's routing rows, one row per
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -31,18 +32,8 @@ def record(conn: Connection, routes: Iterable[Mapping[str, Any]]) -> None:
         row[4] += r.get("cost") or 0.0
     if not sums:
         return
-    insert = (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(u)
-    stmt = insert.on_conflict_do_update(
-        index_elements=[u.c.day, u.c.model, u.c.account, u.c.worker],
-        set_={
-            "calls": u.c.calls + insert.excluded.calls,
-            "prompt_tokens": u.c.prompt_tokens + insert.excluded.prompt_tokens,
-            "completion_tokens": u.c.completion_tokens + insert.excluded.completion_tokens,
-            "cost": u.c.cost + insert.excluded.cost,
-        },
-    )
     conn.execute(
-        stmt,
+        _upsert(conn.dialect.name),
         [
             {
                 "day": day,
@@ -63,6 +54,21 @@ def record(conn: Connection, routes: Iterable[Mapping[str, Any]]) -> None:
                 cost,
             ) in sorted(sums.items())
         ],
+    )
+
+
+@functools.cache
+def _upsert(dialect: str) -> sa.Insert:
+    """Add to a ledger row, creating it (built once: it runs with every settle)."""
+    insert = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(u)
+    return insert.on_conflict_do_update(
+        index_elements=[u.c.day, u.c.model, u.c.account, u.c.worker],
+        set_={
+            "calls": u.c.calls + insert.excluded.calls,
+            "prompt_tokens": u.c.prompt_tokens + insert.excluded.prompt_tokens,
+            "completion_tokens": u.c.completion_tokens + insert.excluded.completion_tokens,
+            "cost": u.c.cost + insert.excluded.cost,
+        },
     )
 
 
