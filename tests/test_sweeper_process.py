@@ -59,21 +59,25 @@ def test_two_sweepers_racing_apply_each_transition_once(db_url: str, spawn: Spaw
     db.dispose()
 
 
-def test_paused_task_is_resumed_after_its_cooldown_and_completed(db_url: str, spawn: Spawn) -> None:
-    db = Database(db_url)
+def test_paused_task_is_resumed_after_its_cooldown_and_completed(
+    db_url: str, db: Database, spawn: Spawn
+) -> None:
     queue = TaskQueue(db)
-    # Rate-limited long enough for a worker process to start up and call it.
-    script = {"simulate": {"sim/a": {"behaviour": "rate_limited", "for_s": 2.5}}}
-    task_id = queue.enqueue(
-        TaskSpec(agent="codex", command="x", models=("sim/a",), payload=script)
-    ).id
     env = {
-        "AGENTBUS_MODEL_COOLDOWN_SEC": "3",
+        "AGENTBUS_MODEL_COOLDOWN_SEC": "1.5",
         "AGENTBUS_SWEEP_PEEK_SEC": "0.2",
         "AGENTBUS_POLL_SEC": "0.1",
     }
-    worker = spawn("worker", "--agent", "codex", "--db", db_url, env=env)
+    worker = spawn("worker", "--agent", "codex", "--db", db_url, "--log-json", env=env)
     sweeper = spawn("sweeper", "--db", db_url, "--interval", "60", "--log-json", env=env)
+    for proc, started in ((worker, "worker_started"), (sweeper, "sweeper_started")):
+        wait_until(lambda p=proc, e=started: e in [x["event"] for x in p.events()])
+    # Enqueued once both run: the worker claims it within its 0.1 s poll, well
+    # inside the second of rate limiting, however slowly the processes started.
+    script = {"simulate": {"sim/a": {"behaviour": "rate_limited", "for_s": 1.0}}}
+    task_id = queue.enqueue(
+        TaskSpec(agent="codex", command="x", models=("sim/a",), payload=script)
+    ).id
     wait_until(lambda: queue.get(task_id).status == "done", timeout=60)
     for proc in (worker, sweeper):
         proc.signal(signal.SIGTERM)
@@ -95,7 +99,6 @@ def test_paused_task_is_resumed_after_its_cooldown_and_completed(db_url: str, sp
     logged = [e["event"] for e in sweeper.events()]
     assert f"[cooldown-resume] task_id={task_id} agent=codex → re-queued" in logged
     assert "sweeper_stopped" in logged
-    db.dispose()
 
 
 @pytest.mark.parametrize(
