@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import click
 
-from shared import cli, demo, kpi, reads
+from shared import cli, demo, eventlog, kpi, reads, serve, status
 from shared.config import Settings
 from shared.cooldowns import CooldownStore
 from shared.db import Database, migrate, redact
+from shared.errors import BusError
+from shared.logging import configure
 from shared.queue import TaskQueue
 from shared.states import TaskStatus
 from shared.tasks import TaskSpec, parse_models, parse_payload
@@ -110,28 +113,25 @@ def enqueue_cmd(
 
 
 @busctl.command("status")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="The full status document (as GET /workspace/status)."
+)
 @pass_ctx
 def status_cmd(c: Context, as_json: bool) -> None:
-    """Task counts by status and agent, today's usage, and the providers' circuits."""
-    counts = reads.counts(c.database())
-    agents = sorted({agent for _, agent in counts})
-    statuses = [s.value for s in TaskStatus]
-    now = time.time()
-    used = reads.usage_by_day(c.database(), now)
-    circuits = reads.circuit_states(c.database())
+    """Task counts by status and agent, today's usage, circuits and the client budget."""
+    doc = status.snapshot(c.database(), c.settings)
     if as_json:
-        by_agent = {a: {s: counts[(s, a)] for s in statuses} for a in agents}
-        totals = {s: sum(counts[(s, a)] for a in agents) for s in statuses}
-        doc = {"tasks": by_agent, "totals": totals, "usage_today": used, "circuits": circuits}
-        click.echo(json.dumps(doc, indent=2))
+        click.echo(json.dumps(doc, indent=2, default=str))
         return
-    rows = [[a, *(counts[(s, a)] for s in statuses)] for a in agents]
-    rows.append(["(all)", *(sum(counts[(s, a)] for a in agents) for s in statuses)])
+    statuses = [s.value for s in TaskStatus]
+    agents = sorted(doc["queue"])
+    rows = [[a, *(doc["queue"][a].get(s, 0) for s in statuses)] for a in agents]
+    rows.append(["(all)", *(doc["totals"].get(s, 0) for s in statuses)])
     click.echo(cli.table(["agent", *statuses], rows))
     s = c.settings
-    tokens = sum(int(u["tokens"] or 0) for u in used)
-    cost = sum(float(u["cost"] or 0) for u in used)
+    used = doc["usage_today"]
+    tokens = sum(u["tokens"] for u in used)
+    cost = sum(u["cost"] for u in used)
     budget = f" of {s.daily_token_budget:,}" if s.daily_token_budget else ""
     cost_budget = f" of {s.daily_cost_budget:g}" if s.daily_cost_budget else ""
     click.echo(f"\nusage today (UTC): {tokens:,} tokens{budget}, cost {cost:.4f}{cost_budget}")
@@ -142,7 +142,7 @@ def status_cmd(c: Context, as_json: bool) -> None:
                 [[u["model"], u["calls"], u["tokens"], f"{u['cost']:.4f}"] for u in used],
             )
         )
-    if circuits:
+    if doc["circuits"]:
         click.echo("\ncircuits:")
         click.echo(
             cli.table(
@@ -154,10 +154,66 @@ def status_cmd(c: Context, as_json: bool) -> None:
                         r["consecutive_failures"],
                         cli.fmt_time(r["open_until"]) if r["open_until"] else "",
                     ]
-                    for r in circuits
+                    for r in doc["circuits"]
                 ],
             )
         )
+    b = doc["budget"]
+    if b["mode"] != "off":
+        limit = f" of {b['budget']}" if b["budget"] else ""
+        click.echo(
+            f"\nclient budget ({b['mode']}, {b['scope']}): {b['count']}{limit} reserved"
+            + (f"; last refused: {', '.join(b['last_refused'])}" if b["last_refused"] else "")
+        )
+
+
+@busctl.command("events")
+@click.option("--kind", "kinds", multiple=True, metavar="KIND", help="Only this kind (repeatable).")
+@click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
+@click.option("--follow", is_flag=True, help="Keep printing new events (Ctrl-C stops).")
+@pass_ctx
+def events_cmd(c: Context, kinds: tuple[str, ...], limit: int, follow: bool) -> None:
+    """Workspace events: budget warnings, refused batches, circuits, cooldowns, pauses."""
+    db = c.database()
+    since: float | None = None
+    stop = threading.Event()
+    cli.on_stop_signals(lambda *_: stop.set())
+    while True:
+        for e in eventlog.recent(db, kinds=kinds, since=since, limit=limit):
+            detail = " ".join(f"{k}={v}" for k, v in (e["detail"] or {}).items())
+            click.echo(f"{cli.fmt_time(e['at'])}  {e['kind']:<17} {e['scope']:<9} {detail}")
+            since = e["at"]
+        if not follow or stop.wait(1.0):
+            return
+
+
+@busctl.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True)
+@cli.budget_options
+@pass_ctx
+def serve_cmd(
+    c: Context, host: str, port: int, client_budget: int | None, budget_mode: str | None
+) -> None:
+    """Serve the status document, Prometheus metrics and a dashboard page (read-only)."""
+    changes = {"client_budget": client_budget, "budget_mode": budget_mode}
+    settings = c.settings.replace(**{k: v for k, v in changes.items() if v is not None})
+    configure(level=settings.log_level.upper())
+    db = c.database()
+    try:
+        server = serve.make_server(host, port, lambda: status.snapshot(db, settings))
+    except OSError as exc:
+        raise BusError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    bound = server.server_address[1]
+    click.echo(
+        f"busctl: serving http://{host}:{bound}/ (status: /workspace/status, metrics: /metrics)",
+        err=True,
+    )
+    cli.on_stop_signals(lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.server_close()
 
 
 @busctl.command("show")

@@ -70,6 +70,23 @@ def db_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
 
+def budget_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--client-budget N`` and ``--budget-mode MODE`` (settings client_budget, budget_mode)."""
+    fn = click.option(
+        "--budget-mode",
+        "budget_mode",
+        type=click.Choice(["off", "warn", "enforce"]),
+        help="Client budget mode [env AGENTBUS_BUDGET_MODE; default off].",
+    )(fn)
+    return click.option(
+        "--client-budget",
+        "client_budget",
+        type=click.IntRange(min=0),
+        metavar="N",
+        help="Client slots the workspace may hold [env AGENTBUS_CLIENT_BUDGET].",
+    )(fn)
+
+
 def config_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--config",

@@ -148,6 +148,19 @@ class Settings:
     route_retention_sec: float = _doc(
         "Routing history rows are deleted after this long (0 keeps them).", 604800.0
     )
+    client_budget: int = _doc(
+        "Named client slots (one per provider in use) the workspace may hold at once "
+        "(0: no budget; enforce needs one).",
+        0,
+    )
+    budget_mode: str = _doc(
+        "The client budget: off (nothing tracked), warn (tracked, warns at 75 %, never "
+        "refuses) or enforce (refuses above client_budget).",
+        "off",
+    )
+    no_workspace_budget: bool = _doc(
+        "Kill switch: each process keeps its own client budget (events say scope session).", False
+    )
     done_retention_sec: float = _doc(
         "Done tasks and their events are deleted after this long (0 keeps them).", 604800.0
     )
@@ -228,6 +241,11 @@ class Settings:
             if not getattr(self, name) >= 0 or not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"setting {name} must be 0 (keep) or a positive number")
         self.backoff_steps()  # parses, or raises ConfigError
+        if self.client_budget < 0:
+            raise ConfigError("setting client_budget must not be negative")
+        from shared.admission.budget import check_mode
+
+        check_mode(self.budget_mode, self.client_budget)
         if self.max_attempts < 1:
             raise ConfigError(f"setting max_attempts must be at least 1, got {self.max_attempts}")
         if self.sqlite_busy_timeout_ms < 0:

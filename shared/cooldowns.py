@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
+from shared import eventlog
 from shared.db import Database
 from shared.logging import get_logger
 from shared.schema import cooldown_history
@@ -128,6 +129,8 @@ class CooldownStore:
                 "source": source,
             }
             effective = float(conn.execute(self._upsert, row).scalar_one())
+            detail = {"model": model, "until": effective, "reason": reason}
+            eventlog.emit(conn, "cooldown_set", now, source=source, detail=detail)
             conn.execute(
                 sa.insert(cooldown_history),
                 {
@@ -147,7 +150,14 @@ class CooldownStore:
     def purge_expired(self) -> int:
         """Delete cooldowns that have ended; returns how many."""
         now = self.clock()
-        deleted = self.db.write(
-            lambda conn: conn.execute(sa.delete(mc).where(mc.c.cooldown_until <= now)).rowcount
-        )
-        return int(deleted)
+
+        def work(conn: Connection) -> int:
+            gone = conn.execute(
+                sa.delete(mc).where(mc.c.cooldown_until <= now).returning(mc.c.model_id)
+            ).scalars()
+            models = sorted(gone)
+            for model in models:
+                eventlog.emit(conn, "cooldown_expired", now, detail={"model": model})
+            return len(models)
+
+        return self.db.write(work)

@@ -306,3 +306,43 @@ account_state = sa.Table(
     sa.Column("reason", sa.Text),
     sa.Column("unusable_since", Epoch, nullable=False),
 )
+
+# -- the workspace client budget and the event log (SPEC §6) -------------------
+
+#: Named client slots held now: one row per (name, holder); a name counts once
+#: however many processes hold it. ``lease_until`` returns a dead holder's slot.
+budget_slots = sa.Table(
+    "budget_slots",
+    metadata,
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("holder", sa.Text, primary_key=True),
+    sa.Column("reserved_at", Epoch, nullable=False),
+    sa.Column("lease_until", Epoch, nullable=False),
+)
+
+#: The workspace budget's shared state (one row): the hysteresis flag, which
+#: flips atomically, and the names refused by the latest pass.
+budget_state = sa.Table(
+    "budget_state",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("armed", sa.Boolean, nullable=False),
+    sa.Column("last_refused", sa.JSON, nullable=False),
+    sa.Column("updated_at", Epoch, nullable=False),
+)
+
+#: Workspace events (budget warnings, refused batches, circuit changes, cooldowns
+#: set and expired); task transitions stay in task_events.
+bus_events = sa.Table(
+    "bus_events",
+    metadata,
+    sa.Column("id", BigId, primary_key=True),
+    sa.Column("at", Epoch, nullable=False),
+    sa.Column("kind", sa.Text, nullable=False),
+    sa.Column("scope", sa.Text, nullable=False),
+    sa.Column("source", sa.Text),
+    sa.Column("detail", sa.JSON),
+    sqlite_autoincrement=True,
+)
+sa.Index("ix_bus_events_kind", bus_events.c.kind, bus_events.c.id)
+sa.Index("ix_bus_events_at", bus_events.c.at)

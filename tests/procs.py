@@ -40,3 +40,27 @@ def hammer(url: str, agent: str, rounds: int, busy_timeout_ms: int, start: Event
             done += 1
     db.dispose()
     return done
+
+
+def reserve_one(url: str, holder: str, name: str, start: Event) -> str:
+    """Reserve ``name`` in an enforce-mode workspace budget of 1 once ``start`` is set."""
+    from shared.admission.budget import WorkspaceBudget
+
+    db = Database(url)
+    budget = WorkspaceBudget(db, mode="enforce", budget=1, holder=holder)
+    start.wait()
+    answer = budget.try_reserve(name).value
+    db.dispose()
+    return answer
+
+
+def reserve_many(url: str, holder: str, names: list[str], start: Event) -> list[str]:
+    """Reserve ``names`` one after another in a warn-mode budget of 8 (hysteresis races)."""
+    from shared.admission.budget import WorkspaceBudget
+
+    db = Database(url)
+    budget = WorkspaceBudget(db, mode="warn", budget=8, holder=holder)
+    start.wait()
+    answers = [budget.try_reserve(name).value for name in names]
+    db.dispose()
+    return answers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,7 +63,7 @@ def test_enqueue_show_status_retry(db_url: str, run_busctl: Run) -> None:
     assert shown["task"]["payload"] == {"simulate": {"sim/a": "ok"}}
     assert [e["to_status"] for e in shown["events"]] == ["queued"]
     status = json.loads(run_busctl("--db", db_url, "status", "--json").stdout)
-    assert status["tasks"]["codex"]["queued"] == 1
+    assert status["queue"]["codex"]["queued"] == 1
     assert status["totals"]["queued"] == 1
     table = run_busctl("--db", db_url, "status").stdout
     assert "codex" in table and "queued" in table
@@ -261,3 +262,31 @@ def test_routes_and_usage_are_shown(db_url: str, run_busctl: Run) -> None:
         0.25,
     )
     assert "42 tokens" in run_busctl("--db", db_url, "status").stdout
+
+
+def test_events_lists_workspace_and_task_events(db_url: str, run_busctl: Run) -> None:
+    db = Database(db_url)
+    queue = TaskQueue(db)
+    task_id = queue.enqueue(TaskSpec(agent="codex", command="x", models=("sim/a",))).id
+    (task,) = queue.claim("codex", "w1", 30)
+    CooldownStore(db).set("sim/a", time.time() + 60, reason="RateLimited", source="w1")
+    queue.pause(task.id, task.claim_token, time.time() + 60, "cooling", model="sim/a")
+    db.dispose()
+    out = run_busctl("--db", db_url, "events")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split()[2] for line in lines] == ["cooldown_set", "paused"]
+    assert "model=sim/a" in lines[0] and f"task_id={task_id}" in lines[1]
+    only = run_busctl("--db", db_url, "events", "--kind", "paused").stdout.splitlines()
+    assert len(only) == 1 and "paused" in only[0]
+    argv = [str(Path(sys.executable).with_name("busctl")), "--db", db_url, "events", "--follow"]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as follow:
+        assert follow.stdout is not None
+        assert "cooldown_set" in follow.stdout.readline()
+        assert "paused" in follow.stdout.readline()
+        db = Database(db_url)
+        CooldownStore(db).set("sim/b", time.time() + 60, reason="RateLimited")
+        db.dispose()
+        assert "model=sim/b" in follow.stdout.readline()  # shows up while following
+        follow.terminate()
+        assert follow.wait(10) == 0  # SIGTERM ends --follow cleanly

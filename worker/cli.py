@@ -51,6 +51,7 @@ log = get_logger("agentbus.worker")
     metavar="N",
     help="Claim N tasks at once and acknowledge them together [setting claim_batch, 1].",
 )
+@cli.budget_options
 @click.option("--log-json", is_flag=True, help="Log JSON lines (default: readable lines).")
 def worker(
     agent: str,
@@ -62,6 +63,8 @@ def worker(
     poll_sec: float | None,
     grace_sec: float | None,
     claim_batch: int | None,
+    client_budget: int | None,
+    budget_mode: str | None,
     log_json: bool,
 ) -> None:
     """Claim and run the tasks of one agent, one at a time (or --batch N per claim)."""
@@ -73,6 +76,8 @@ def worker(
         "poll_sec": poll_sec,
         "grace_sec": grace_sec,
         "claim_batch": claim_batch,
+        "client_budget": client_budget,
+        "budget_mode": budget_mode,
     }
     config = load_config(config_file, overrides)
     configure(json=log_json, level=config.settings.log_level.upper())

@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shared.admission.budget import client_budget
 from shared.admission.store import Admission
 from shared.config import Config, ConfigWatcher
 from shared.cooldowns import CooldownStore
@@ -74,12 +75,20 @@ class Worker:
             environ=os.environ,
             cache_sec=settings.cooldown_cache_sec,
         )
+        self.budget = client_budget(
+            db,
+            mode=settings.budget_mode,
+            budget=settings.client_budget,
+            holder=self.id,
+            per_process=settings.no_workspace_budget,
+        )
         self.runner = Runner(
             settings=settings,
             admission=self.admission,
             providers=self.providers,
             worker_id=self.id,
             cooldowns=cooldowns,
+            budget=self.budget if settings.budget_mode != "off" else None,
         )
         self.watcher = ConfigWatcher(config, reload) if reload is not None else None
         self.stopping = threading.Event()

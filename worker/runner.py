@@ -20,9 +20,10 @@ from typing import Any
 
 import tenacity
 
+from shared.admission.budget import ClientBudget, Reserve
 from shared.admission.gates import Code, Refusal
 from shared.admission.routing import Candidate
-from shared.admission.store import Admission
+from shared.admission.store import Admission, Permit
 from shared.config import Settings
 from shared.cooldowns import CooldownStore
 from shared.errors import ConfigError
@@ -63,10 +64,12 @@ class Runner:
         cooldowns: CooldownStore,
         providers: Providers,
         worker_id: str,
+        budget: ClientBudget | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
         self.admission = admission
+        self.budget = budget
         self.cooldowns = cooldowns
         self.providers = providers
         self.worker_id = worker_id
@@ -82,15 +85,35 @@ class Runner:
             )
         except (ConfigError, InvalidTask) as exc:
             return Run(policy.Fail(exc.message))
+        if self.budget is None:
+            return self._walk(task, found.candidates, list(found.left_out))
+        with self.budget.bulk_pass():  # one refused_batch for the whole candidate list
+            return self._walk(task, found.candidates, list(found.left_out))
+
+    def _admit(self, task: Task, candidate: Candidate) -> Permit | Refusal:
+        """Admission, after a client-budget slot for the candidate's provider (if any)."""
+        lease = self._lease(candidate)
+        budget = self.budget
+        if budget is not None and budget.try_reserve(candidate.provider, lease_sec=lease) is (
+            Reserve.REFUSED
+        ):
+            return Refusal(
+                Code.CLIENT_BUDGET,
+                self.clock() + self.settings.admission_recheck_sec,
+                f"the client budget ({budget.budget}) is full",
+            )
+        answer = self.admission.admit(candidate, agent=task.agent, task_id=task.id, lease_sec=lease)
+        if isinstance(answer, Refusal) and self.budget is not None:
+            self.budget.release(candidate.provider)
+        return answer
+
+    def _walk(self, task: Task, candidates: tuple[Candidate, ...], refused: list[str]) -> Run:
         run = Run(policy.Fail("unreachable"))
         blocked: dict[str, float] = {}
         codes: dict[str, str] = {}
-        refused = list(found.left_out)
-        for candidate in found.candidates:
+        for candidate in candidates:
             started = self.clock()
-            answer = self.admission.admit(
-                candidate, agent=task.agent, task_id=task.id, lease_sec=self._lease(candidate)
-            )
+            answer = self._admit(task, candidate)
             if isinstance(answer, Refusal):
                 blocked[candidate.key] = answer.retry_after
                 codes[candidate.key] = answer.code.value
@@ -117,6 +140,9 @@ class Runner:
                 except InvalidTask as exc:
                     run.decision = policy.Fail(exc.message)
                     return run
+                finally:
+                    if self.budget is not None:
+                        self.budget.release(candidate.provider)
                 self.admission.finish(permit, outcome)
             run.calls += 1
             route = self._route(

@@ -22,6 +22,7 @@ class Code(enum.StrEnum):
     COOLDOWN = "cooldown"
     BUDGET_EXHAUSTED = "budget_exhausted"
     CONCURRENCY_FULL = "concurrency_full"
+    CLIENT_BUDGET = "client_budget"  # the workspace client budget (SPEC §6) is full
 
     @property
     def number(self) -> int | None:

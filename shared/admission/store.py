@@ -21,6 +21,7 @@ import tenacity
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
+from shared import eventlog
 from shared.admission import usage
 from shared.admission.gates import (
     SLOT_CODES,
@@ -348,6 +349,9 @@ class Admission:
                 )
             )
             log.info("circuit_probe", provider=c.provider, worker=self.worker)
+            eventlog.emit(
+                conn, "circuit_half_open", now, source=self.worker, detail={"provider": c.provider}
+            )
         slot_id = None
         if limits.slot:
             slot_id = conn.execute(
@@ -469,12 +473,13 @@ class Admission:
         if after.state == "closed" and before.state != "closed":
             conn.execute(sa.delete(circuit_calls).where(circuit_calls.c.provider == name))
         if after.state != before.state:
-            log.warning(
-                f"circuit_{after.state}",
-                provider=name,
-                consecutive_failures=after.consecutive_failures,
-                window=f"{failures}/{calls} failed",
-            )
+            detail = {
+                "provider": name,
+                "consecutive_failures": after.consecutive_failures,
+                "window": f"{failures}/{calls} failed",
+                "open_until": after.open_until,
+            }
+            eventlog.emit(conn, f"circuit_{after.state}", now, source=self.worker, detail=detail)
         self._circuits[name] = (endpoint, after)
 
     def mark_unusable(self, candidate: Candidate, reason: str) -> None:

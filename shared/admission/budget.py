@@ -1,0 +1,358 @@
+"""The workspace client budget (SPEC §6): named slots reserved while in use, shared by
+every process of the workspace (the database).
+
+``try_reserve(name)`` answers ``reserved``, ``already_held`` (the name counts
+once, whoever holds it) or ``refused`` (``enforce`` mode, the budget is full);
+``release(name)`` is idempotent. ``budget_warning`` fires once when the share
+of the budget in use rises across 75 %, and re-arms only after it falls below
+37.5 %: the armed flag is one database row flipped by a guarded UPDATE, so two
+processes never both warn. Refusals inside a bulk pass (nestable) become one
+``refused_batch`` event from the outermost pass; the last refused names stay
+visible until the next pass begins. ``SessionBudget`` is the per-process
+fallback (``no_workspace_budget``): the same rules in memory, events with
+scope ``session``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
+
+from shared import eventlog
+from shared.db import Database
+from shared.errors import ConfigError
+from shared.schema import budget_slots as slots
+from shared.schema import budget_state as state
+
+WARN_FRACTION = 0.75
+REARM_FRACTION = 0.375
+MODES = ("off", "warn", "enforce")
+ADVISORY_KEY = 0x627564676574  # "budget"
+
+
+class Reserve(enum.StrEnum):
+    RESERVED = "reserved"
+    ALREADY_HELD = "already_held"
+    REFUSED = "refused"
+
+
+def check_mode(mode: str, budget: int) -> None:
+    """``enforce`` without a positive budget would refuse everything: stop at start-up."""
+    if mode not in MODES:
+        raise ConfigError(f"budget mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "enforce" and budget <= 0:
+        raise ConfigError(
+            "budget mode enforce needs a positive client budget "
+            "(--client-budget N or AGENTBUS_CLIENT_BUDGET)"
+        )
+
+
+class _Passes:
+    """Bulk passes of this process: nesting depth and the refusals they gathered."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.pending: list[str] = []
+
+    @contextmanager
+    def bulk_pass(self) -> Iterator[None]:
+        self.begin_pass()
+        try:
+            yield
+        finally:
+            self.end_pass()
+
+    def begin_pass(self) -> None:
+        self.depth += 1
+        if self.depth == 1:
+            self.pending = []
+            self._pass_started()
+
+    def end_pass(self) -> None:
+        self.depth = max(0, self.depth - 1)
+        if self.depth == 0 and self.pending:
+            names, self.pending = list(dict.fromkeys(self.pending)), []
+            self._emit_batch(names)
+
+    def _refused(self, name: str) -> None:
+        if self.depth > 0:
+            self.pending.append(name)
+        else:  # outside any pass: a batch of one, the same shape
+            self._emit_batch([name])
+
+    def _pass_started(self) -> None:
+        raise NotImplementedError
+
+    def _emit_batch(self, names: list[str]) -> None:
+        raise NotImplementedError
+
+
+class WorkspaceBudget(_Passes):
+    scope = eventlog.WORKSPACE
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        mode: str,
+        budget: int,
+        holder: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__()
+        check_mode(mode, budget)
+        self.db = db
+        self.mode = mode
+        self.budget = budget
+        self.holder = holder
+        self.clock = clock
+        insert = postgresql.insert if db.dialect == "postgresql" else sqlite.insert
+        hold = insert(slots)
+        self._hold = hold.on_conflict_do_update(
+            index_elements=[slots.c.name, slots.c.holder],
+            set_={"lease_until": hold.excluded.lease_until},
+        )
+        self._init_state = insert(state).on_conflict_do_nothing(index_elements=[state.c.id])
+
+    # -- slots ---------------------------------------------------------------
+
+    def try_reserve(self, name: str, *, lease_sec: float = 3600.0) -> Reserve:
+        if self.mode == "off":
+            return Reserve.RESERVED
+
+        def work(conn: Connection) -> Reserve:
+            self._lock(conn)
+            now = self.clock()
+            held = self._names(conn, now)
+            row = {"name": name, "holder": self.holder, "reserved_at": now}
+            row["lease_until"] = now + lease_sec
+            if name in held:
+                conn.execute(self._hold, row)
+                return Reserve.ALREADY_HELD
+            if self.mode == "enforce" and len(held) >= self.budget:
+                return Reserve.REFUSED
+            conn.execute(self._hold, row)
+            self._hysteresis(conn, len(held) + 1, now, [*held, name])
+            return Reserve.RESERVED
+
+        answer = self.db.write(work)
+        if answer is Reserve.REFUSED:
+            self._refused(name)
+        return answer
+
+    def release(self, name: str) -> bool:
+        """Give ``name`` back (this process's hold on it); False if it held none."""
+        if self.mode == "off":
+            return False
+
+        def work(conn: Connection) -> bool:
+            self._lock(conn)
+            now = self.clock()
+            gone = conn.execute(
+                sa.delete(slots).where(slots.c.name == name, slots.c.holder == self.holder)
+            ).rowcount
+            self._hysteresis(conn, len(self._names(conn, now)), now, None)
+            return bool(gone)
+
+        return self.db.write(work)
+
+    def reserved(self) -> list[str]:
+        now = self.clock()
+        return self.db.read(lambda conn: self._names(conn, now))
+
+    # -- hysteresis and refusal batches --------------------------------------
+
+    def _hysteresis(
+        self, conn: Connection, count: int, now: float, names: list[str] | None
+    ) -> None:
+        if self.budget <= 0:
+            return
+        conn.execute(
+            self._init_state, {"id": 1, "armed": True, "last_refused": [], "updated_at": now}
+        )
+        share = count / self.budget
+        if names is not None and share >= WARN_FRACTION:
+            fired = conn.execute(
+                sa.update(state)
+                .where(state.c.id == 1, state.c.armed.is_(True))
+                .values(armed=False, updated_at=now)
+            ).rowcount
+            if fired:
+                detail = {"reserved": count, "budget": self.budget, "names": sorted(names)}
+                eventlog.emit(
+                    conn, "budget_warning", now, scope=self.scope, source=self.holder, detail=detail
+                )
+        elif share < REARM_FRACTION:
+            conn.execute(
+                sa.update(state)
+                .where(state.c.id == 1, state.c.armed.is_(False))
+                .values(armed=True, updated_at=now)
+            )
+
+    def _pass_started(self) -> None:
+        if self.mode == "off":
+            return
+
+        def work(conn: Connection) -> None:
+            now = self.clock()
+            conn.execute(
+                self._init_state, {"id": 1, "armed": True, "last_refused": [], "updated_at": now}
+            )
+            conn.execute(
+                sa.update(state).where(state.c.id == 1).values(last_refused=[], updated_at=now)
+            )
+
+        if self.last_refused():  # a write only when there is something to clear
+            self.db.write(work)
+
+    def _emit_batch(self, names: list[str]) -> None:
+        def work(conn: Connection) -> None:
+            now = self.clock()
+            conn.execute(
+                self._init_state, {"id": 1, "armed": True, "last_refused": [], "updated_at": now}
+            )
+            conn.execute(
+                sa.update(state).where(state.c.id == 1).values(last_refused=names, updated_at=now)
+            )
+            detail = {"names": names, "count": len(names), "budget": self.budget}
+            eventlog.emit(
+                conn, "refused_batch", now, scope=self.scope, source=self.holder, detail=detail
+            )
+
+        self.db.write(work)
+
+    def last_refused(self) -> list[str]:
+        value = self.db.read(
+            lambda conn: conn.execute(
+                sa.select(state.c.last_refused).where(state.c.id == 1)
+            ).scalar()
+        )
+        return list(value or [])
+
+    def snapshot(self) -> dict[str, Any]:
+        names = self.reserved() if self.mode != "off" else []
+        return {
+            "mode": self.mode,
+            "budget": self.budget or None,
+            "scope": self.scope,
+            "reserved": names,
+            "count": len(names),
+            "last_refused": self.last_refused(),
+        }
+
+    # -- helpers -------------------------------------------------------------
+
+    def _lock(self, conn: Connection) -> None:
+        if self.db.dialect == "postgresql":
+            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(ADVISORY_KEY)))
+
+    @staticmethod
+    def _names(conn: Connection, now: float) -> list[str]:
+        return list(
+            conn.execute(
+                sa.select(slots.c.name)
+                .where(slots.c.lease_until > now)
+                .distinct()
+                .order_by(slots.c.name)
+            ).scalars()
+        )
+
+
+class SessionBudget(_Passes):
+    """The per-process budget (``no_workspace_budget``): each process counts its own slots."""
+
+    scope = eventlog.SESSION
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        mode: str,
+        budget: int,
+        holder: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__()
+        check_mode(mode, budget)
+        self.db, self.mode, self.budget, self.holder, self.clock = db, mode, budget, holder, clock
+        self.held: set[str] = set()
+        self.armed = True
+        self._last: list[str] = []
+
+    def try_reserve(self, name: str, *, lease_sec: float = 3600.0) -> Reserve:
+        if self.mode == "off":
+            return Reserve.RESERVED
+        if name in self.held:
+            return Reserve.ALREADY_HELD
+        if self.mode == "enforce" and len(self.held) >= self.budget:
+            self._refused(name)
+            return Reserve.REFUSED
+        self.held.add(name)
+        if self.budget > 0 and self.armed and len(self.held) / self.budget >= WARN_FRACTION:
+            self.armed = False
+            detail = {"reserved": len(self.held), "budget": self.budget, "names": sorted(self.held)}
+            self._emit("budget_warning", detail)
+        return Reserve.RESERVED
+
+    def release(self, name: str) -> bool:
+        if name not in self.held:
+            return False
+        self.held.discard(name)
+        if self.budget > 0 and len(self.held) / self.budget < REARM_FRACTION:
+            self.armed = True
+        return True
+
+    def reserved(self) -> list[str]:
+        return sorted(self.held)
+
+    def last_refused(self) -> list[str]:
+        return list(self._last)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "budget": self.budget or None,
+            "scope": self.scope,
+            "reserved": self.reserved(),
+            "count": len(self.held),
+            "last_refused": self.last_refused(),
+        }
+
+    def _pass_started(self) -> None:
+        self._last = []
+
+    def _emit_batch(self, names: list[str]) -> None:
+        self._last = names
+        self._emit("refused_batch", {"names": names, "count": len(names), "budget": self.budget})
+
+    def _emit(self, kind: str, detail: dict[str, Any]) -> None:
+        now = self.clock()
+        self.db.write(
+            lambda conn: eventlog.emit(
+                conn, kind, now, scope=self.scope, source=self.holder, detail=detail
+            )
+        )
+
+
+ClientBudget = WorkspaceBudget | SessionBudget
+
+
+def client_budget(
+    db: Database,
+    *,
+    mode: str,
+    budget: int,
+    holder: str,
+    per_process: bool = False,
+    clock: Callable[[], float] = time.time,
+) -> ClientBudget:
+    """The workspace's budget, or each process's own when ``per_process`` (the kill switch)."""
+    kind = SessionBudget if per_process else WorkspaceBudget
+    return kind(db, mode=mode, budget=budget, holder=holder, clock=clock)

@@ -1,0 +1,93 @@
+"""The workspace event log: what happened to the workspace (not to one task), for
+people and dashboards. Written in the transaction of the change it describes, and
+mirrored to the structured log.
+
+Kinds: ``budget_warning``, ``refused_batch`` (the client budget), ``circuit_open``,
+``circuit_half_open``, ``circuit_closed``, ``cooldown_set``, ``cooldown_expired``.
+Task pauses, resumes and demotions live in ``task_events``; ``recent`` merges them
+in as ``paused``, ``resumed`` and ``demoted``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from shared.db import Database
+from shared.logging import get_logger
+from shared.schema import bus_events, task_events
+
+log = get_logger("agentbus.events")
+WORKSPACE = "workspace"
+SESSION = "session"
+TASK_KINDS = ("paused", "resumed", "demoted")
+
+
+def emit(
+    conn: Connection,
+    kind: str,
+    at: float,
+    *,
+    scope: str = WORKSPACE,
+    source: str | None = None,
+    detail: Mapping[str, Any] | None = None,
+) -> None:
+    conn.execute(
+        sa.insert(bus_events).values(
+            at=at, kind=kind, scope=scope, source=source, detail=dict(detail or {})
+        )
+    )
+    log.info(kind, scope=scope, source=source, **dict(detail or {}))
+
+
+def recent(
+    db: Database, *, kinds: Collection[str] = (), since: float | None = None, limit: int = 50
+) -> list[dict[str, Any]]:
+    """The newest events (workspace events and task pauses/resumes/demotions), oldest first."""
+
+    def work(conn: Connection) -> list[dict[str, Any]]:
+        q = sa.select(bus_events).order_by(bus_events.c.at.desc()).limit(limit)
+        if kinds:
+            q = q.where(bus_events.c.kind.in_(list(kinds)))
+        if since is not None:
+            q = q.where(bus_events.c.at > since)
+        rows = [dict(r._mapping) for r in conn.execute(q)]
+        wanted = [k for k in TASK_KINDS if not kinds or k in kinds]
+        if wanted:
+            e = task_events
+            kind = sa.case(
+                (e.c.to_status == "paused", "paused"),
+                (e.c.reason == "demoted", "demoted"),
+                else_="resumed",
+            )
+            conditions = {
+                "paused": e.c.to_status == "paused",
+                "resumed": sa.and_(e.c.from_status == "paused", e.c.to_status == "queued"),
+                "demoted": sa.and_(e.c.from_status == "paused", e.c.reason == "demoted"),
+            }
+            q2 = (
+                sa.select(e.c.id, e.c.at, kind.label("kind"), e.c.task_id, e.c.reason, e.c.worker)
+                .where(sa.or_(*(conditions[k] for k in wanted)))
+                .order_by(e.c.at.desc())
+                .limit(limit)
+            )
+            if since is not None:
+                q2 = q2.where(e.c.at > since)
+            for r in conn.execute(q2):
+                rows.append(
+                    {
+                        "id": f"t{r.id}",
+                        "at": r.at,
+                        "kind": r.kind,
+                        "scope": WORKSPACE,
+                        "source": r.worker,
+                        "detail": {"task_id": r.task_id, "reason": r.reason},
+                    }
+                )
+        rows.sort(key=lambda r: r["at"])
+        return rows[-limit:]
+
+    return db.read(work)

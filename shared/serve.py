@@ -1,0 +1,141 @@
+"""``busctl serve``: the status snapshot over HTTP, Prometheus metrics, and a dashboard.
+
+Read-only: ``GET /workspace/status`` (the ``busctl status --json`` document),
+``GET /metrics`` (Prometheus text format, computed from the database on each
+scrape) and ``GET /`` (a self-contained page that polls the status document;
+no build step, no external assets). Anything else is 404 (or 405 for writes).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from shared.logging import get_logger
+
+log = get_logger("agentbus.serve")
+Snapshot = Callable[[], dict[str, Any]]
+CIRCUIT_STATES = {"closed": 0, "half_open": 1, "open": 2}
+
+
+class SnapshotCollector(Collector):
+    """Prometheus metrics from one status snapshot per scrape."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        doc = self.snapshot()
+        tasks = GaugeMetricFamily(
+            "agentbus_tasks", "Tasks by status and agent.", labels=["status", "agent"]
+        )
+        for agent, statuses in doc["queue"].items():
+            for status, n in statuses.items():
+                tasks.add_metric([status, agent], n)
+        yield tasks
+        counters = doc["counters"]
+        for name, key, what in (
+            ("agentbus_pauses", "pauses", "Task pauses (every candidate refused or cooling)."),
+            ("agentbus_resumes", "resumes", "Paused tasks the sweeper put back on the queue."),
+            ("agentbus_demotions", "demotions", "Tasks failed after pausing too long."),
+            ("agentbus_budget_refused", "budget_refused", "Client budget refusals."),
+        ):
+            yield CounterMetricFamily(name, what, value=counters[key])
+        cooling = GaugeMetricFamily(
+            "agentbus_cooldown_seconds_left",
+            "Active model cooldowns: seconds left.",
+            labels=["model"],
+        )
+        for c in doc["cooldowns"]:
+            cooling.add_metric([c["model"]], c["seconds_left"])
+        yield cooling
+        yield GaugeMetricFamily(
+            "agentbus_cooldowns_active", "Models cooling down now.", value=len(doc["cooldowns"])
+        )
+        circuit = GaugeMetricFamily(
+            "agentbus_circuit_state",
+            "Circuit per provider: 0 closed, 1 half-open, 2 open.",
+            labels=["provider"],
+        )
+        for c in doc["circuits"]:
+            circuit.add_metric([c["provider"]], CIRCUIT_STATES.get(c["state"], 0))
+        yield circuit
+        budget = doc["budget"]
+        yield GaugeMetricFamily(
+            "agentbus_budget_reserved", "Client budget slots reserved.", value=budget["count"]
+        )
+        if budget["budget"]:
+            yield GaugeMetricFamily(
+                "agentbus_budget_limit", "The client budget.", value=budget["budget"]
+            )
+        backoff = GaugeMetricFamily(
+            "agentbus_worker_backoff_seconds",
+            "Seconds of backoff left per worker (0: working).",
+            labels=["worker", "agent"],
+        )
+        failures = GaugeMetricFamily(
+            "agentbus_worker_consecutive_failures",
+            "Consecutive genuine failures per worker.",
+            labels=["worker", "agent"],
+        )
+        for w in doc["workers"]:
+            backoff.add_metric([w["id"], w["agent"]], w["backoff_left"])
+            failures.add_metric([w["id"], w["agent"]], w["consecutive_failures"])
+        yield backoff
+        yield failures
+        refusals = CounterMetricFamily(
+            "agentbus_admission_refusals", "Admission refusals by code.", labels=["code"]
+        )
+        for code, n in sorted(doc["refusals_by_code"].items()):
+            refusals.add_metric([code], n)
+        yield refusals
+
+
+def make_server(host: str, port: int, snapshot: Snapshot) -> ThreadingHTTPServer:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(snapshot))
+    page = resources.files("shared").joinpath("dashboard.html").read_bytes()
+
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "agentbus"
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            try:
+                if path == "/workspace/status":
+                    body = json.dumps(snapshot(), default=str).encode()
+                    self._send(200, "application/json", body)
+                elif path == "/metrics":
+                    self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
+                elif path in ("/", "/index.html"):
+                    self._send(200, "text/html; charset=utf-8", page)
+                else:
+                    self._send(404, "text/plain", b"not found\n")
+            except Exception as exc:  # the database went away, say: answer, keep serving
+                log.error("request_failed", path=path, error=repr(exc))
+                self._send(503, "text/plain", f"unavailable: {type(exc).__name__}\n".encode())
+
+        def do_POST(self) -> None:
+            self._send(405, "text/plain", b"read-only\n")
+
+        do_PUT = do_DELETE = do_PATCH = do_POST
+
+        def _send(self, code: int, kind: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("http", request=self.requestline, status=args[1] if len(args) > 1 else None)
+
+    return ThreadingHTTPServer((host, port), Handler)

@@ -1,0 +1,144 @@
+"""The status snapshot of a workspace (SPEC S-55): one document for ``busctl status
+--json``, ``GET /workspace/status``, the dashboard and the Prometheus metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from shared import eventlog, kpi, reads
+from shared.admission.budget import client_budget
+from shared.config import Settings
+from shared.db import Database
+from shared.schema import bus_commands as t
+from shared.schema import bus_events, circuits, model_cooldown, route_log, task_events, workers
+
+DUE_SOON = 20  # paused tasks listed, soonest first
+
+
+def snapshot(db: Database, settings: Settings, now: float | None = None) -> dict[str, Any]:
+    now = time.time() if now is None else now
+    budget = client_budget(
+        db,
+        mode=settings.budget_mode,
+        budget=settings.client_budget,
+        holder="status",
+        per_process=settings.no_workspace_budget,
+    )
+    counts = reads.counts(db)
+    queue: dict[str, dict[str, int]] = {}
+    for (status, agent), n in sorted(counts.items()):
+        queue.setdefault(agent, {})[status] = n
+    totals: dict[str, int] = {}
+    for (status, _), n in counts.items():
+        totals[status] = totals.get(status, 0) + n
+    doc = db.read(lambda conn: _tables(conn, now))
+    return {
+        "now": now,
+        "budget": budget.snapshot(),
+        "queue": queue,
+        "totals": totals,
+        **doc,
+        "usage_today": reads.usage_by_day(db, now),
+        "kpis": [k.as_dict() for k in kpi.compute(db)],
+        "events": eventlog.recent(db, limit=20),
+    }
+
+
+def _tables(conn: Connection, now: float) -> dict[str, Any]:
+    paused = conn.execute(
+        sa.select(t.c.id, t.c.agent, t.c.resume_after, t.c.pause_reason, t.c.pause_model)
+        .where(t.c.status == "paused")
+        .order_by(t.c.resume_after)
+        .limit(DUE_SOON)
+    ).all()
+    cooling = conn.execute(
+        sa.select(model_cooldown)
+        .where(model_cooldown.c.cooldown_until > now)
+        .order_by(model_cooldown.c.cooldown_until)
+    ).all()
+    circuit_rows = conn.execute(sa.select(circuits).order_by(circuits.c.provider)).all()
+    beats = conn.execute(sa.select(workers).order_by(workers.c.agent, workers.c.id)).all()
+    refusals = conn.execute(
+        sa.select(route_log.c.code, sa.func.count())
+        .where(route_log.c.code.is_not(None))
+        .group_by(route_log.c.code)
+    ).all()
+    moves = conn.execute(
+        sa.select(
+            sa.func.sum(sa.case((task_events.c.to_status == "paused", 1), else_=0)),
+            sa.func.sum(
+                sa.case(
+                    (
+                        sa.and_(
+                            task_events.c.from_status == "paused",
+                            task_events.c.to_status == "queued",
+                        ),
+                        1,
+                    ),
+                    else_=0,
+                )
+            ),
+            sa.func.sum(sa.case((task_events.c.reason == "demoted", 1), else_=0)),
+        )
+    ).one()
+    refused_names = conn.execute(
+        sa.select(bus_events.c.detail).where(bus_events.c.kind == "refused_batch")
+    ).scalars()
+    return {
+        "paused_due_soon": [
+            {
+                "id": p.id,
+                "agent": p.agent,
+                "resume_after": p.resume_after,
+                "seconds_left": max(0.0, (p.resume_after or now) - now),
+                "model": p.pause_model,
+                "reason": p.pause_reason,
+            }
+            for p in paused
+        ],
+        "cooldowns": [
+            {
+                "model": c.model_id,
+                "until": c.cooldown_until,
+                "seconds_left": c.cooldown_until - now,
+                "reason": c.reason,
+                "source": c.source,
+            }
+            for c in cooling
+        ],
+        "circuits": [
+            {
+                "provider": c.provider,
+                "state": c.state,
+                "consecutive_failures": c.consecutive_failures,
+                "open_until": c.open_until,
+                "seconds_left": max(0.0, c.open_until - now) if c.open_until else None,
+            }
+            for c in circuit_rows
+        ],
+        "workers": [
+            {
+                "id": w.id,
+                "agent": w.agent,
+                "host": w.host,
+                "pid": w.pid,
+                "heartbeat_age": now - w.heartbeat_at,
+                "current_task": w.current_task,
+                "consecutive_failures": w.consecutive_failures,
+                "backoff_until": w.backoff_until,
+                "backoff_left": max(0.0, w.backoff_until - now) if w.backoff_until else 0.0,
+            }
+            for w in beats
+        ],
+        "counters": {
+            "pauses": int(moves[0] or 0),
+            "resumes": int(moves[1] or 0),
+            "demotions": int(moves[2] or 0),
+            "budget_refused": sum(int((d or {}).get("count", 0)) for d in refused_names),
+        },
+        "refusals_by_code": {code: int(n) for code, n in refusals},
+    }

@@ -1,0 +1,167 @@
+"""busctl serve through a real server and client: the status document, Prometheus
+metrics, and the dashboard rendered by headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from shared.cooldowns import CooldownStore
+from shared.db import Database
+from shared.queue import TaskQueue
+from shared.schema import circuits
+from shared.tasks import TaskSpec
+from shared.workers import WorkerRegistry
+from tests.support import Proc, wait_until
+
+pytestmark = pytest.mark.process
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def seed(url: str) -> dict[str, Any]:
+    """A workspace with something in every section, on the wall clock."""
+    db = Database(url)
+    queue = TaskQueue(db)
+    now = time.time()
+    for i in range(3):
+        queue.enqueue(TaskSpec(agent="codex", command=f"q{i}", models=("sim/opus",)))
+    paused = queue.enqueue(TaskSpec(agent="ron", command="p", models=("sim/opus",))).id
+    (task,) = queue.claim("ron", "w", 30)
+    queue.pause(
+        task.id,
+        task.claim_token,
+        now + 120,
+        "all candidate models are cooling down",
+        model="sim/opus",
+    )
+    CooldownStore(db).set("sim/opus", now + 300, reason="RateLimited", source="w")
+    db.write(
+        lambda conn: conn.execute(
+            circuits.insert().values(
+                provider="flaky",
+                endpoint="simulated",
+                state="open",
+                consecutive_failures=5,
+                opened_at=now,
+                open_until=now + 30,
+                updated_at=now,
+            )
+        )
+    )
+    WorkerRegistry(db, "codex@test:1", "codex").register()
+    db.dispose()
+    return {"paused": paused}
+
+
+@pytest.fixture
+def served(db_url: str, spawn: Callable[..., Proc]) -> tuple[str, dict[str, Any]]:
+    facts = seed(db_url)
+    port = free_port()
+    spawn("busctl", "--db", db_url, "serve", "--port", str(port), "--budget-mode", "warn")
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(base + "/workspace/status", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(up, timeout=30)
+    return base, facts
+
+
+def test_status_and_metrics_over_http(
+    served: tuple[str, dict[str, Any]], db_url: str, run_busctl: Callable[..., Any]
+) -> None:
+    base, facts = served
+    doc = httpx.get(base + "/workspace/status").json()
+    assert doc["queue"] == {"codex": {"queued": 3}, "ron": {"paused": 1}}
+    assert [p["id"] for p in doc["paused_due_soon"]] == [facts["paused"]]
+    assert 100 < doc["paused_due_soon"][0]["seconds_left"] <= 120
+    assert [c["model"] for c in doc["cooldowns"]] == ["sim/opus"]
+    assert [(c["provider"], c["state"]) for c in doc["circuits"]] == [("flaky", "open")]
+    assert [w["id"] for w in doc["workers"]] == ["codex@test:1"]
+    assert doc["budget"] == {
+        "mode": "warn",
+        "budget": None,
+        "scope": "workspace",
+        "reserved": [],
+        "count": 0,
+        "last_refused": [],
+    }
+    assert [k["name"] for k in doc["kpis"]][:2] == ["preservation", "resume success"]
+    cli_doc = json.loads(run_busctl("--db", db_url, "status", "--json").stdout)
+    assert set(cli_doc) == set(doc)  # the same document as busctl status --json
+    assert cli_doc["queue"] == doc["queue"] and cli_doc["cooldowns"][0]["model"] == "sim/opus"
+
+    metrics = httpx.get(base + "/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    text = metrics.text
+    for line in (
+        'agentbus_tasks{agent="codex",status="queued"} 3.0',
+        'agentbus_tasks{agent="ron",status="paused"} 1.0',
+        "agentbus_pauses_total 1.0",
+        "agentbus_cooldowns_active 1.0",
+        'agentbus_circuit_state{provider="flaky"} 2.0',
+        "agentbus_budget_reserved 0.0",
+        'agentbus_worker_backoff_seconds{agent="codex",worker="codex@test:1"} 0.0',
+    ):
+        assert line in text, line
+    assert "# TYPE agentbus_admission_refusals_total counter" in text
+    assert httpx.post(base + "/workspace/status").status_code == 405  # read-only
+    assert httpx.get(base + "/nothing").status_code == 404
+
+
+def test_the_dashboard_shows_live_numbers_in_a_browser(
+    served: tuple[str, dict[str, Any]], tmp_path: Any
+) -> None:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI needs Debian's chromium for the dashboard test (.ci/run installs it)")
+        pytest.skip("no chromium here: apt-get install chromium to run the dashboard test")
+    base, facts = served
+    page = httpx.get(base + "/")
+    assert page.headers["content-type"].startswith("text/html")
+    assert "http://" not in page.text and "https://" not in page.text  # no external assets
+    dom = subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--virtual-time-budget=4000",
+            "--dump-dom",
+            base + "/",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=True,
+    ).stdout
+    assert "updated " in dom  # the script ran and fetched the status document
+    assert "<td>codex</td>" in dom and '<td class="n">3</td>' in dom  # queued by agent
+    assert f'<td class="n">{facts["paused"]}</td>' in dom  # the paused task…
+    assert (
+        'class="countdown">1.9 min' in dom or 'class="countdown">2.0 min' in dom
+    )  # …and its countdown
+    assert "<td>sim/opus</td>" in dom  # the cooling model
+    assert '<span class="bad">open</span>' in dom  # the open circuit
+    assert "codex@test:1" in dom  # the worker
+    assert "preservation" in dom  # the KPIs
