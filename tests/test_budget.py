@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -177,3 +180,24 @@ def test_a_worker_refused_by_the_client_budget_pauses_its_task(
     assert first.wait() == 0, first.text()
     assert queue.get(holder).status == "done"
     assert WorkspaceBudget(db, mode="warn", budget=1, holder="t").reserved() == []  # released
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["worker", "--agent", "codex", "--budget-mode", "enforce"],
+        ["busctl", "serve", "--budget-mode", "enforce", "--port", "0"],
+    ],
+)
+def test_enforce_without_a_budget_stops_start_up(db_url: str, argv: list[str]) -> None:
+    exe = str(Path(sys.executable).with_name(argv[0]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
+    run = subprocess.run(
+        [exe, "--db", db_url, *argv[1:]], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert run.returncode == 2, run.stderr
+    (line,) = run.stderr.strip().splitlines()
+    assert line == (
+        f"{argv[0]}: error: budget mode enforce needs a positive client budget "
+        "(--client-budget N or AGENTBUS_CLIENT_BUDGET)"
+    )
