@@ -199,7 +199,9 @@ class Demo:
             "\nLook around:\n"
             f"  {busctl} --db {self.url} tasks --status done\n"
             f"  {busctl} --db {self.url} show 1\n"
+            f"  {busctl} --db {self.url} routes --task 1\n"
             f"  {busctl} --db {self.url} kpi\n"
+            f"  {busctl} --db {self.url} serve     # then open http://127.0.0.1:8765/\n"
             + (f"  sqlite3 {path} < scripts/kpi.sql\n" if self.url.startswith("sqlite") else "")
         )
         ok = finished and done == total and kpis[0].passed is not False and kpis[3].passed
