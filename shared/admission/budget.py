@@ -54,12 +54,42 @@ def check_mode(mode: str, budget: int) -> None:
         )
 
 
-class _Passes:
-    """Bulk passes of this process: nesting depth and the refusals they gathered."""
+class _Budget:
+    """What both budgets share: their settings, and this process's bulk passes (nesting
+    depth and the refusals they gathered)."""
 
-    def __init__(self) -> None:
+    scope = eventlog.WORKSPACE
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        mode: str,
+        budget: int,
+        holder: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        check_mode(mode, budget)
+        self.db, self.mode, self.budget, self.holder, self.clock = db, mode, budget, holder, clock
         self.depth = 0
         self.pending: list[str] = []
+
+    def reserved(self) -> list[str]:
+        raise NotImplementedError
+
+    def last_refused(self) -> list[str]:
+        raise NotImplementedError
+
+    def snapshot(self) -> dict[str, Any]:
+        names = self.reserved() if self.mode != "off" else []
+        return {
+            "mode": self.mode,
+            "budget": self.budget or None,
+            "scope": self.scope,
+            "reserved": names,
+            "count": len(names),
+            "last_refused": self.last_refused(),
+        }
 
     @contextmanager
     def bulk_pass(self) -> Iterator[None]:
@@ -94,7 +124,7 @@ class _Passes:
         raise NotImplementedError
 
 
-class WorkspaceBudget(_Passes):
+class WorkspaceBudget(_Budget):
     scope = eventlog.WORKSPACE
 
     def __init__(
@@ -106,13 +136,7 @@ class WorkspaceBudget(_Passes):
         holder: str,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        super().__init__()
-        check_mode(mode, budget)
-        self.db = db
-        self.mode = mode
-        self.budget = budget
-        self.holder = holder
-        self.clock = clock
+        super().__init__(db, mode=mode, budget=budget, holder=holder, clock=clock)
         insert = postgresql.insert if db.dialect == "postgresql" else sqlite.insert
         hold = insert(slots)
         self._hold = hold.on_conflict_do_update(
@@ -236,17 +260,6 @@ class WorkspaceBudget(_Passes):
         )
         return list(value or [])
 
-    def snapshot(self) -> dict[str, Any]:
-        names = self.reserved() if self.mode != "off" else []
-        return {
-            "mode": self.mode,
-            "budget": self.budget or None,
-            "scope": self.scope,
-            "reserved": names,
-            "count": len(names),
-            "last_refused": self.last_refused(),
-        }
-
     # -- helpers -------------------------------------------------------------
 
     def _lock(self, conn: Connection) -> None:
@@ -265,7 +278,7 @@ class WorkspaceBudget(_Passes):
         )
 
 
-class SessionBudget(_Passes):
+class SessionBudget(_Budget):
     """The per-process budget (``no_workspace_budget``): each process counts its own slots."""
 
     scope = eventlog.SESSION
@@ -279,9 +292,7 @@ class SessionBudget(_Passes):
         holder: str,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        super().__init__()
-        check_mode(mode, budget)
-        self.db, self.mode, self.budget, self.holder, self.clock = db, mode, budget, holder, clock
+        super().__init__(db, mode=mode, budget=budget, holder=holder, clock=clock)
         self.held: set[str] = set()
         self.armed = True
         self._last: list[str] = []
@@ -314,16 +325,6 @@ class SessionBudget(_Passes):
 
     def last_refused(self) -> list[str]:
         return list(self._last)
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "budget": self.budget or None,
-            "scope": self.scope,
-            "reserved": self.reserved(),
-            "count": len(self.held),
-            "last_refused": self.last_refused(),
-        }
 
     def _pass_started(self) -> None:
         self._last = []
