@@ -246,60 +246,76 @@ class Admission:
         rooms: list[int] = []
         recheck = now + self.settings.admission_recheck_sec
         open_slot = sa.and_(call_slots.c.released_at.is_(None), call_slots.c.lease_until > now)
-        for gate, code, limit, where in (
-            ("concurrency", Code.CONCURRENCY_FULL, limits.global_concurrency, sa.true()),
-            (
-                "provider_concurrency",
-                Code.CONCURRENCY_FULL,
-                limits.provider_concurrency,
-                call_slots.c.provider == c.provider,
-            ),
-            (
-                "bulkhead",
-                Code.BULKHEAD_FULL,
-                limits.bulkhead[1] if limits.bulkhead else None,
-                call_slots.c.bulkhead == (limits.bulkhead[0] if limits.bulkhead else None),
-            ),
-        ):
-            if not limit:
-                continue
-            used = conn.execute(
-                sa.select(sa.func.count()).select_from(call_slots).where(open_slot, where)
-            ).scalar_one()
+        slots_gates = [
+            (gate, code, limit, where)
+            for gate, code, limit, where in (
+                ("concurrency", Code.CONCURRENCY_FULL, limits.global_concurrency, sa.true()),
+                (
+                    "provider_concurrency",
+                    Code.CONCURRENCY_FULL,
+                    limits.provider_concurrency,
+                    call_slots.c.provider == c.provider,
+                ),
+                (
+                    "bulkhead",
+                    Code.BULKHEAD_FULL,
+                    limits.bulkhead[1] if limits.bulkhead else None,
+                    call_slots.c.bulkhead == (limits.bulkhead[0] if limits.bulkhead else None),
+                ),
+            )
+            if limit
+        ]
+        windows = []
+        if limits.rpm:
+            account = sa.and_(
+                call_slots.c.provider == c.provider, call_slots.c.account == c.account
+            )
+            windows.append(("rpm", limits.rpm, self.settings.rpm_window_sec, account))
+        if limits.agent_rate:
+            n, window = limits.agent_rate
+            windows.append(("agent_rate", n, window, call_slots.c.agent == agent))
+        # Every count in one statement: one round trip however many gates apply.
+        asked: list[sa.ColumnElement[Any]] = []
+        for _, _, _, where in slots_gates:
+            asked.append(
+                sa.select(sa.func.count())
+                .select_from(call_slots)
+                .where(open_slot, where)
+                .scalar_subquery()
+            )
+        for _, limit, window, where in windows:
+            in_window = sa.and_(where, call_slots.c.admitted_at > now - window)
+            asked.append(  # the limit-th newest call of the window, if there are that many
+                sa.select(call_slots.c.admitted_at)
+                .where(in_window)
+                .order_by(call_slots.c.admitted_at.desc())
+                .offset(limit - 1)
+                .limit(1)
+                .scalar_subquery()
+            )
+            if not take:
+                asked.append(
+                    sa.select(sa.func.count())
+                    .select_from(call_slots)
+                    .where(in_window)
+                    .scalar_subquery()
+                )
+        if limits.tokens or limits.cost:
+            asked += usage.today_columns(now)
+        answers = iter(conn.execute(sa.select(*asked)).one() if asked else ())
+        for gate, code, limit, _ in slots_gates:
+            used = int(next(answers))
             gates[gate] = f"{used}/{limit}"
             rooms.append(limit - used)
             if used >= limit:
                 refusals.append(Refusal(code, recheck, f"{gate}: {used}/{limit} calls in flight"))
-        windows = []
-        if limits.rpm:
-            windows.append(
-                (
-                    "rpm",
-                    limits.rpm,
-                    self.settings.rpm_window_sec,
-                    sa.and_(call_slots.c.provider == c.provider, call_slots.c.account == c.account),
-                )
-            )
-        if limits.agent_rate:
-            n, window = limits.agent_rate
-            windows.append(("agent_rate", n, window, call_slots.c.agent == agent))
-        for gate, limit, window, where in windows:
-            nth = conn.execute(
-                sa.select(call_slots.c.admitted_at)
-                .where(where, call_slots.c.admitted_at > now - window)
-                .order_by(call_slots.c.admitted_at.desc())
-                .offset(limit - 1)
-                .limit(1)
-            ).scalar()
-            free_at = window_free_at(nth, window, now)
+        for gate, limit, window, _ in windows:
+            free_at = window_free_at(next(answers), window, now)
             gates[gate] = "ok" if free_at is None else "refused"
-            if not take and free_at is None:
-                used = conn.execute(
-                    sa.select(sa.func.count())
-                    .select_from(call_slots)
-                    .where(where, call_slots.c.admitted_at > now - window)
-                ).scalar_one()
-                rooms.append(limit - used)
+            if not take:
+                counted = int(next(answers))
+                if free_at is None:
+                    rooms.append(limit - counted)
             if free_at is not None:
                 what = f"{c.provider}/{c.account or '-'}" if gate == "rpm" else f"agent {agent}"
                 refusals.append(
@@ -310,7 +326,7 @@ class Admission:
                     )
                 )
         if limits.tokens or limits.cost:
-            tokens, cost = usage.today(conn, now)
+            tokens, cost = int(next(answers)), float(next(answers))
             over = (limits.tokens and tokens >= limits.tokens) or (
                 limits.cost and cost >= limits.cost
             )

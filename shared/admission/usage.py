@@ -72,15 +72,16 @@ def _upsert(dialect: str) -> sa.Insert:
     )
 
 
-def today(conn: Connection, now: float) -> tuple[int, float]:
-    """Tokens and cost settled so far in the current UTC day."""
-    tokens, cost = conn.execute(
-        sa.select(
-            sa.func.coalesce(sa.func.sum(u.c.prompt_tokens + u.c.completion_tokens), 0),
-            sa.func.coalesce(sa.func.sum(u.c.cost), 0.0),
-        ).where(u.c.day == day_of(now))
-    ).one()
-    return int(tokens), float(cost)
+def today_columns(now: float) -> list[sa.ScalarSelect[Any]]:
+    """Tokens and cost settled so far in the current UTC day, as two scalar subqueries
+    (admission asks them in the statement that counts its other gates)."""
+    today = u.c.day == day_of(now)
+    return [
+        sa.select(sa.func.coalesce(sa.func.sum(u.c.prompt_tokens + u.c.completion_tokens), 0))
+        .where(today)
+        .scalar_subquery(),
+        sa.select(sa.func.coalesce(sa.func.sum(u.c.cost), 0.0)).where(today).scalar_subquery(),
+    ]
 
 
 def by_day(conn: Connection, since: float) -> list[dict[str, Any]]:
