@@ -156,37 +156,6 @@ class Catalog:
             origin, current = current, config.fallback
         return chain
 
-    def chain_for(
-        self, *, models: tuple[str, ...] | None, role: str | None, agent: str
-    ) -> tuple[str, ...]:
-        """The model ids a task may run on, in order (fallback roles included).
-
-        Raises ConfigError (which fails the task with that reason) when there
-        is none or a model is unknown.
-        """
-        if models:
-            chain = models
-        elif role is not None:
-            chain = self._role_models(role)
-        elif agent in self.agents:
-            config = self.agents[agent]
-            chain = self._role_models(config.role) if config.role else config.models
-        else:
-            raise ConfigError(
-                f"no model chain for agent {agent!r}: give the task --models "
-                f"or --role, or configure [agents.{agent}]"
-            )
-        for model in chain:
-            self.model(model)  # raises for an unknown one
-        return chain
-
-    def _role_models(self, role: str) -> tuple[str, ...]:
-        seen: dict[str, None] = {}
-        for config, _ in self.role_chain(role):
-            for spec in config.candidates:
-                seen.setdefault(spec.model)
-        return tuple(seen)
-
     @classmethod
     def from_doc(cls, doc: Mapping[str, object]) -> Catalog:
         from shared.catalog_toml import parse

@@ -12,9 +12,10 @@ from sqlalchemy.engine import Connection
 from shared import eventlog, kpi, reads
 from shared.admission.budget import client_budget
 from shared.config import Settings
+from shared.cooldowns import CooldownStore
 from shared.db import Database
 from shared.schema import bus_commands as t
-from shared.schema import bus_events, circuits, model_cooldown, route_log, task_events, workers
+from shared.schema import bus_events, route_log, task_events, workers
 
 DUE_SOON = 20  # paused tasks listed, soonest first
 
@@ -36,12 +37,30 @@ def snapshot(db: Database, settings: Settings, now: float | None = None) -> dict
     for (status, _), n in counts.items():
         totals[status] = totals.get(status, 0) + n
     doc = db.read(lambda conn: _tables(conn, now))
+    cooling = CooldownStore(db, clock=lambda: now, cache_sec=1e-9).details()
     return {
         "now": now,
         "budget": budget.snapshot(),
         "queue": queue,
         "totals": totals,
         **doc,
+        "cooldowns": [
+            {
+                "model": c["model_id"],
+                "until": c["cooldown_until"],
+                "seconds_left": c["cooldown_until"] - now,
+                "reason": c["reason"],
+                "source": c["source"],
+            }
+            for c in cooling
+        ],
+        "circuits": [
+            {
+                **{k: c[k] for k in ("provider", "state", "consecutive_failures", "open_until")},
+                "seconds_left": max(0.0, c["open_until"] - now) if c["open_until"] else None,
+            }
+            for c in reads.circuit_states(db)
+        ],
         "usage_today": reads.usage_by_day(db, now),
         "kpis": [k.as_dict() for k in kpi.compute(db)],
         "events": eventlog.recent(db, limit=20),
@@ -55,12 +74,6 @@ def _tables(conn: Connection, now: float) -> dict[str, Any]:
         .order_by(t.c.resume_after)
         .limit(DUE_SOON)
     ).all()
-    cooling = conn.execute(
-        sa.select(model_cooldown)
-        .where(model_cooldown.c.cooldown_until > now)
-        .order_by(model_cooldown.c.cooldown_until)
-    ).all()
-    circuit_rows = conn.execute(sa.select(circuits).order_by(circuits.c.provider)).all()
     beats = conn.execute(sa.select(workers).order_by(workers.c.agent, workers.c.id)).all()
     refusals = conn.execute(
         sa.select(route_log.c.code, sa.func.count())
@@ -99,26 +112,6 @@ def _tables(conn: Connection, now: float) -> dict[str, Any]:
                 "reason": p.pause_reason,
             }
             for p in paused
-        ],
-        "cooldowns": [
-            {
-                "model": c.model_id,
-                "until": c.cooldown_until,
-                "seconds_left": c.cooldown_until - now,
-                "reason": c.reason,
-                "source": c.source,
-            }
-            for c in cooling
-        ],
-        "circuits": [
-            {
-                "provider": c.provider,
-                "state": c.state,
-                "consecutive_failures": c.consecutive_failures,
-                "open_until": c.open_until,
-                "seconds_left": max(0.0, c.open_until - now) if c.open_until else None,
-            }
-            for c in circuit_rows
         ],
         "workers": [
             {

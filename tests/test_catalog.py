@@ -40,15 +40,20 @@ def test_a_good_config(tmp_path: Path) -> None:
     cat = config.catalog
     assert config.settings.lease_sec == 30
     assert cat.models["gpt-x"].upstream == "gpt-x-2026"
-    assert cat.chain_for(models=None, role=None, agent="codex") == ("gpt-x", "sim/backup")
-    assert cat.chain_for(models=None, role="coder", agent="ron") == ("gpt-x", "sim/backup")
-    assert cat.chain_for(models=("sim/z",), role="coder", agent="ron") == ("sim/z",)
+
+    def chain(models: tuple[str, ...] | None, role: str | None, agent: str) -> tuple[str, ...]:
+        found = resolve(cat, models=models, role=role, agent=agent, environ=None)
+        return tuple(c.model for c in found.candidates)
+
+    assert chain(None, None, "codex") == ("gpt-x", "sim/backup")
+    assert chain(None, "coder", "ron") == ("gpt-x", "sim/backup")
+    assert chain(("sim/z",), "coder", "ron") == ("sim/z",)
     with pytest.raises(ConfigError, match="unknown role 'writer'"):
-        cat.chain_for(models=None, role="writer", agent="ron")
+        chain(None, "writer", "ron")
     with pytest.raises(ConfigError, match="no model chain for agent 'ghost'"):
-        cat.chain_for(models=None, role=None, agent="ghost")
+        chain(None, None, "ghost")
     with pytest.raises(ConfigError, match="unknown model 'gpt-y'"):
-        cat.chain_for(models=("gpt-y",), role=None, agent="ron")
+        chain(("gpt-y",), None, "ron")
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from shared.admission.routing import resolve
 from shared.config import Settings, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,7 +19,8 @@ def test_every_setting_and_env_var_is_documented() -> None:
 
 def test_the_example_config_loads() -> None:
     config = load_config(ROOT / "agentbus.example.toml", environ={})
-    assert config.catalog.chain_for(models=None, role=None, agent="codex")[0] == "claude-opus"
+    found = resolve(config.catalog, models=None, role=None, agent="codex", environ=None)
+    assert found.candidates[0].model == "claude-opus"
 
 
 def test_the_example_config_shows_every_catalog_key() -> None:

@@ -4,7 +4,6 @@ metrics, and the dashboard rendered by headless Chromium."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -21,6 +20,7 @@ from shared.queue import TaskQueue
 from shared.schema import circuits
 from shared.tasks import TaskSpec
 from shared.workers import WorkerRegistry
+from tests.conftest import IN_CI
 from tests.support import Proc, wait_until
 
 pytestmark = pytest.mark.process
@@ -131,8 +131,11 @@ def test_the_dashboard_shows_live_numbers_in_a_browser(
 ) -> None:
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI needs Debian's chromium for the dashboard test (.ci/run installs it)")
+        if IN_CI:
+            pytest.fail(
+                "CI needs Debian's chromium for the dashboard test (.ci/run installs it)",
+                pytrace=False,
+            )
         pytest.skip("no chromium here: apt-get install chromium to run the dashboard test")
     base, facts = served
     page = httpx.get(base + "/")

@@ -16,6 +16,7 @@ scope ``session``.
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -127,24 +128,6 @@ class _Budget:
 class WorkspaceBudget(_Budget):
     scope = eventlog.WORKSPACE
 
-    def __init__(
-        self,
-        db: Database,
-        *,
-        mode: str,
-        budget: int,
-        holder: str,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        super().__init__(db, mode=mode, budget=budget, holder=holder, clock=clock)
-        insert = postgresql.insert if db.dialect == "postgresql" else sqlite.insert
-        hold = insert(slots)
-        self._hold = hold.on_conflict_do_update(
-            index_elements=[slots.c.name, slots.c.holder],
-            set_={"lease_until": hold.excluded.lease_until},
-        )
-        self._init_state = insert(state).on_conflict_do_nothing(index_elements=[state.c.id])
-
     # -- slots ---------------------------------------------------------------
 
     def try_reserve(self, name: str, *, lease_sec: float = 3600.0) -> Reserve:
@@ -158,11 +141,11 @@ class WorkspaceBudget(_Budget):
             row = {"name": name, "holder": self.holder, "reserved_at": now}
             row["lease_until"] = now + lease_sec
             if name in held:
-                conn.execute(self._hold, row)
+                conn.execute(_hold(self.db.dialect), row)
                 return Reserve.ALREADY_HELD
             if self.mode == "enforce" and len(held) >= self.budget:
                 return Reserve.REFUSED
-            conn.execute(self._hold, row)
+            conn.execute(_hold(self.db.dialect), row)
             self._hysteresis(conn, len(held) + 1, now, [*held, name])
             return Reserve.RESERVED
 
@@ -198,9 +181,7 @@ class WorkspaceBudget(_Budget):
     ) -> None:
         if self.budget <= 0:
             return
-        conn.execute(
-            self._init_state, {"id": 1, "armed": True, "last_refused": [], "updated_at": now}
-        )
+        self._ensure_state(conn, now)
         share = count / self.budget
         if names is not None and share >= WARN_FRACTION:
             fired = conn.execute(
@@ -220,18 +201,23 @@ class WorkspaceBudget(_Budget):
                 .values(armed=True, updated_at=now)
             )
 
+    def _ensure_state(self, conn: Connection, now: float) -> None:
+        row = {"id": 1, "armed": True, "last_refused": [], "updated_at": now}
+        conn.execute(_init_state(self.db.dialect), row)
+
+    def _set_last_refused(self, conn: Connection, names: list[str], now: float) -> None:
+        self._ensure_state(conn, now)
+        conn.execute(
+            sa.update(state).where(state.c.id == 1).values(last_refused=names, updated_at=now)
+        )
+
     def _pass_started(self) -> None:
         if self.mode == "off":
             return
 
         def work(conn: Connection) -> None:
             now = self.clock()
-            conn.execute(
-                self._init_state, {"id": 1, "armed": True, "last_refused": [], "updated_at": now}
-            )
-            conn.execute(
-                sa.update(state).where(state.c.id == 1).values(last_refused=[], updated_at=now)
-            )
+            self._set_last_refused(conn, [], now)
 
         if self.last_refused():  # a write only when there is something to clear
             self.db.write(work)
@@ -239,12 +225,7 @@ class WorkspaceBudget(_Budget):
     def _emit_batch(self, names: list[str]) -> None:
         def work(conn: Connection) -> None:
             now = self.clock()
-            conn.execute(
-                self._init_state, {"id": 1, "armed": True, "last_refused": [], "updated_at": now}
-            )
-            conn.execute(
-                sa.update(state).where(state.c.id == 1).values(last_refused=names, updated_at=now)
-            )
+            self._set_last_refused(conn, names, now)
             detail = {"names": names, "count": len(names), "budget": self.budget}
             eventlog.emit(
                 conn, "refused_batch", now, scope=self.scope, source=self.holder, detail=detail
@@ -276,6 +257,23 @@ class WorkspaceBudget(_Budget):
                 .order_by(slots.c.name)
             ).scalars()
         )
+
+
+@functools.cache
+def _hold(dialect: str) -> sa.Insert:
+    """Hold a name (or renew this holder's lease on it)."""
+    insert = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(slots)
+    return insert.on_conflict_do_update(
+        index_elements=[slots.c.name, slots.c.holder],
+        set_={"lease_until": insert.excluded.lease_until},
+    )
+
+
+@functools.cache
+def _init_state(dialect: str) -> sa.Insert:
+    """Create the one state row if it is not there yet."""
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    return insert(state).on_conflict_do_nothing(index_elements=[state.c.id])
 
 
 class SessionBudget(_Budget):

@@ -1,5 +1,5 @@
-"""Admission against the shared state in the database: the only writer of call_slots,
-circuits, circuit_calls and account_state.
+"""Admission against the shared state in the database: the only writer of call_slots
+and account_state (circuits: ``shared.admission.circuit``).
 
 Cheap refusals come from per-process caches refreshed every ``cache_sec``
 (cooldowns, open circuits). A candidate with no limit configured is admitted
@@ -21,28 +21,23 @@ import tenacity
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from shared import eventlog
-from shared.admission import usage
+from shared.admission.circuit import CircuitStore, circuit_rules
 from shared.admission.gates import (
     SLOT_CODES,
-    Circuit,
-    CircuitRules,
     Code,
     Refusal,
-    after_call,
     circuit_admits,
     circuit_failure,
-    next_day,
     refuse,
-    window_free_at,
 )
+from shared.admission.limits import Limits
 from shared.admission.routing import Candidate, Resolution, fingerprint, resolve
 from shared.config import Config
 from shared.cooldowns import CooldownStore
 from shared.db import Database
 from shared.logging import get_logger
 from shared.outcomes import Outcome
-from shared.schema import account_state, call_slots, circuit_calls, circuits
+from shared.schema import account_state, call_slots
 
 log = get_logger("agentbus.admission")
 ADVISORY_KEY = 0x61646D6974  # "admit": one lock serializes admissions on Postgres
@@ -77,29 +72,6 @@ class Admissible:
     room: int | None = None
 
 
-@dataclass(frozen=True)
-class _Limits:
-    """The database-backed gates that apply to one candidate."""
-
-    global_concurrency: int
-    provider_concurrency: int | None
-    bulkhead: tuple[str, int] | None
-    rpm: int | None
-    agent_rate: tuple[int, float] | None
-    tokens: int
-    cost: float
-
-    @property
-    def slot(self) -> bool:
-        return bool(
-            self.global_concurrency
-            or self.provider_concurrency
-            or self.bulkhead
-            or self.rpm
-            or self.agent_rate
-        )
-
-
 class Admission:
     def __init__(
         self,
@@ -121,21 +93,15 @@ class Admission:
         self.sleep = sleep
         self.cache_sec = cache_sec
         self._read_at: float | None = None
-        self._circuits: dict[str, tuple[str, Circuit]] = {}  # provider -> (endpoint, state)
         self._unusable: set[tuple[str, str, str]] = set()
+        self.circuits = CircuitStore(worker, circuit_rules(config.settings))
         self.configure(config)
 
     def configure(self, config: Config) -> None:
         """Take a (re)loaded config; counters, windows and circuits live on in the database."""
         self.catalog = config.catalog
-        s = self.settings = config.settings
-        self.rules = CircuitRules(
-            s.circuit_window_sec,
-            s.circuit_failure_rate,
-            s.circuit_min_calls,
-            s.circuit_consecutive_failures,
-            s.circuit_open_sec,
-        )
+        self.settings = config.settings
+        self.circuits.rules = circuit_rules(config.settings)
 
     # -- resolving -----------------------------------------------------------
 
@@ -200,14 +166,14 @@ class Admission:
             refusals.append(Refusal(Code.COOLDOWN, until, f"{c.key} is cooling down"))
         gates["cooldown"] = "ok" if not cooling else "refused"
         verdict: Refusal | str = "ok"
-        cached = self._circuit(c.provider)
+        cached = self.circuits.cached(self.catalog.provider(c.provider))
         if cached is not None:
             verdict = circuit_admits(cached, now, self.settings.admission_recheck_sec)
             if isinstance(verdict, Refusal):
                 refusals.append(verdict)
             gates["circuit"] = verdict if isinstance(verdict, str) else "refused"
-        limits = self._limits(c, agent)
-        limited = bool(limits.slot or limits.tokens or limits.cost)
+        limits = Limits.of(self.catalog, self.settings, c, agent)
+        limited = limits.any
         if refusals:
             # Refused already (from the caches); but it is admitted only once every
             # gate admits, so the limited ones say how long that is (nothing taken).
@@ -235,114 +201,20 @@ class Admission:
         agent: str,
         task_id: int | None,
         lease_sec: float,
-        limits: _Limits,
+        limits: Limits,
         gates: dict[str, Any],
         take: bool,
     ) -> Permit | Refusal | Admissible:
         if take and self.db.dialect == "postgresql":
             conn.execute(sa.select(sa.func.pg_advisory_xact_lock(ADVISORY_KEY)))
         now = self.clock()
-        refusals: list[Refusal] = []
-        rooms: list[int] = []
         recheck = now + self.settings.admission_recheck_sec
-        open_slot = sa.and_(call_slots.c.released_at.is_(None), call_slots.c.lease_until > now)
-        slots_gates = [
-            (gate, code, limit, where)
-            for gate, code, limit, where in (
-                ("concurrency", Code.CONCURRENCY_FULL, limits.global_concurrency, sa.true()),
-                (
-                    "provider_concurrency",
-                    Code.CONCURRENCY_FULL,
-                    limits.provider_concurrency,
-                    call_slots.c.provider == c.provider,
-                ),
-                (
-                    "bulkhead",
-                    Code.BULKHEAD_FULL,
-                    limits.bulkhead[1] if limits.bulkhead else None,
-                    call_slots.c.bulkhead == (limits.bulkhead[0] if limits.bulkhead else None),
-                ),
-            )
-            if limit
-        ]
-        windows = []
-        if limits.rpm:
-            account = sa.and_(
-                call_slots.c.provider == c.provider, call_slots.c.account == c.account
-            )
-            windows.append(("rpm", limits.rpm, self.settings.rpm_window_sec, account))
-        if limits.agent_rate:
-            n, window = limits.agent_rate
-            windows.append(("agent_rate", n, window, call_slots.c.agent == agent))
-        # Every count in one statement: one round trip however many gates apply.
-        asked: list[sa.ColumnElement[Any]] = []
-        for _, _, _, where in slots_gates:
-            asked.append(
-                sa.select(sa.func.count())
-                .select_from(call_slots)
-                .where(open_slot, where)
-                .scalar_subquery()
-            )
-        for _, limit, window, where in windows:
-            in_window = sa.and_(where, call_slots.c.admitted_at > now - window)
-            asked.append(  # the limit-th newest call of the window, if there are that many
-                sa.select(call_slots.c.admitted_at)
-                .where(in_window)
-                .order_by(call_slots.c.admitted_at.desc())
-                .offset(limit - 1)
-                .limit(1)
-                .scalar_subquery()
-            )
-            if not take:
-                asked.append(
-                    sa.select(sa.func.count())
-                    .select_from(call_slots)
-                    .where(in_window)
-                    .scalar_subquery()
-                )
-        if limits.tokens or limits.cost:
-            asked += usage.today_columns(now)
-        answers = iter(conn.execute(sa.select(*asked)).one() if asked else ())
-        for gate, code, limit, _ in slots_gates:
-            used = int(next(answers))
-            gates[gate] = f"{used}/{limit}"
-            rooms.append(limit - used)
-            if used >= limit:
-                refusals.append(Refusal(code, recheck, f"{gate}: {used}/{limit} calls in flight"))
-        for gate, limit, window, _ in windows:
-            free_at = window_free_at(next(answers), window, now)
-            gates[gate] = "ok" if free_at is None else "refused"
-            if not take:
-                counted = int(next(answers))
-                if free_at is None:
-                    rooms.append(limit - counted)
-            if free_at is not None:
-                what = f"{c.provider}/{c.account or '-'}" if gate == "rpm" else f"agent {agent}"
-                refusals.append(
-                    Refusal(
-                        Code.RATE_LIMITED,
-                        free_at,
-                        f"{gate}: {limit} calls per {window:g}s for {what}",
-                    )
-                )
-        if limits.tokens or limits.cost:
-            tokens, cost = int(next(answers)), float(next(answers))
-            over = (limits.tokens and tokens >= limits.tokens) or (
-                limits.cost and cost >= limits.cost
-            )
-            gates["budget"] = "refused" if over else "ok"
-            if over:
-                refusals.append(
-                    Refusal(
-                        Code.BUDGET_EXHAUSTED,
-                        next_day(now),
-                        f"daily budget used: {tokens} tokens, cost {cost:g}",
-                    )
-                )
+        refusals, rooms = limits.check(conn, c, agent, now, gates, take=take, recheck=recheck)
         probe = False
         if "circuit" in gates and gates["circuit"] != "ok":
+            provider = self.catalog.provider(c.provider)
             verdict = circuit_admits(
-                self._circuit_row(conn, c.provider), now, self.settings.admission_recheck_sec
+                self.circuits.current(conn, provider), now, self.settings.admission_recheck_sec
             )
             gates["circuit"] = verdict if isinstance(verdict, str) else "refused"
             if isinstance(verdict, Refusal):
@@ -353,21 +225,8 @@ class Admission:
             return refused
         if not take:
             return Admissible(min(rooms) if rooms else None)
-        if probe:
-            conn.execute(
-                sa.update(circuits)
-                .where(circuits.c.provider == c.provider)
-                .values(
-                    state="half_open",
-                    probe_owner=self.worker,
-                    probe_until=now + lease_sec,
-                    updated_at=now,
-                )
-            )
-            log.info("circuit_probe", provider=c.provider, worker=self.worker)
-            eventlog.emit(
-                conn, "circuit_half_open", now, source=self.worker, detail={"provider": c.provider}
-            )
+        if probe and not self.circuits.take_probe(conn, provider, now, lease_sec):
+            return Refusal(Code.CIRCUIT_OPEN, recheck, "another process holds the probe", gates)
         slot_id = None
         if limits.slot:
             slot_id = conn.execute(
@@ -387,23 +246,6 @@ class Admission:
             ).scalar_one()
         return Permit(self, c, slot_id, probe, gates)
 
-    def _limits(self, c: Candidate, agent: str) -> _Limits:
-        provider = self.catalog.provider(c.provider)
-        account = provider.account(c.account)
-        agent_config = self.catalog.agents.get(agent)
-        size = self.catalog.bulkheads.get(c.bulkhead) if c.bulkhead else None
-        return _Limits(
-            self.settings.global_concurrency,
-            provider.concurrency,
-            (c.bulkhead, size) if c.bulkhead and size else None,
-            account.rpm if account else None,
-            (agent_config.rate, agent_config.rate_window_sec)
-            if agent_config and agent_config.rate
-            else None,
-            self.settings.daily_token_budget,
-            self.settings.daily_cost_budget,
-        )
-
     # -- after the call ------------------------------------------------------
 
     def finish(self, permit: Permit, outcome: Outcome | None) -> None:
@@ -422,81 +264,18 @@ class Admission:
         def work(conn: Connection) -> None:
             now = self.clock()
             if permit.slot_id is not None:
+                # No row matched: the lease ran out and the sweeper purged it: nothing to give.
                 conn.execute(
                     sa.update(call_slots)
-                    .where(call_slots.c.id == permit.slot_id)
+                    .where(call_slots.c.id == permit.slot_id, call_slots.c.released_at.is_(None))
                     .values(released_at=now)
                 )
             if failed is not None:
-                self._count(conn, c.provider, provider.endpoint, failed, permit.probe, now)
+                if self.db.dialect == "postgresql":
+                    conn.execute(sa.select(sa.func.pg_advisory_xact_lock(ADVISORY_KEY)))
+                self.circuits.count(conn, provider, failed=failed, probe=permit.probe, now=now)
 
         self.db.write(work)
-
-    def _count(
-        self, conn: Connection, name: str, endpoint: str, failed: bool, probe: bool, now: float
-    ) -> None:
-        if self.db.dialect == "postgresql":
-            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(ADVISORY_KEY)))
-        row = conn.execute(sa.select(circuits).where(circuits.c.provider == name)).first()
-        if row is None or row.endpoint != endpoint:  # a new endpoint starts afresh
-            conn.execute(sa.delete(circuits).where(circuits.c.provider == name))
-            conn.execute(sa.delete(circuit_calls).where(circuit_calls.c.provider == name))
-            conn.execute(
-                sa.insert(circuits).values(provider=name, endpoint=endpoint, updated_at=now)
-            )
-            before = Circuit()
-        else:
-            before = _circuit_of(row)
-        conn.execute(sa.insert(circuit_calls).values(provider=name, at=now, failed=failed))
-        since = now - self.rules.window_sec
-        conn.execute(
-            sa.delete(circuit_calls).where(
-                circuit_calls.c.provider == name, circuit_calls.c.at <= since
-            )
-        )
-        calls, failures = conn.execute(
-            sa.select(
-                sa.func.count(),
-                sa.func.coalesce(sa.func.sum(sa.case((circuit_calls.c.failed, 1), else_=0)), 0),
-            ).where(circuit_calls.c.provider == name, circuit_calls.c.at > since)
-        ).one()
-        is_probe = probe and before.probe_owner == self.worker
-        after = after_call(
-            before,
-            failed=failed,
-            probe=is_probe,
-            window_calls=int(calls),
-            window_failures=int(failures),
-            now=now,
-            rules=self.rules,
-        )
-        opened_at = None
-        if after.state != "closed":
-            opened_at = now if before.state == "closed" else getattr(row, "opened_at", None)
-        conn.execute(
-            sa.update(circuits)
-            .where(circuits.c.provider == name)
-            .values(
-                state=after.state,
-                consecutive_failures=after.consecutive_failures,
-                opened_at=opened_at,
-                open_until=after.open_until,
-                probe_owner=after.probe_owner,
-                probe_until=after.probe_until,
-                updated_at=now,
-            )
-        )
-        if after.state == "closed" and before.state != "closed":
-            conn.execute(sa.delete(circuit_calls).where(circuit_calls.c.provider == name))
-        if after.state != before.state:
-            detail = {
-                "provider": name,
-                "consecutive_failures": after.consecutive_failures,
-                "window": f"{failures}/{calls} failed",
-                "open_until": after.open_until,
-            }
-            eventlog.emit(conn, f"circuit_{after.state}", now, source=self.worker, detail=detail)
-        self._circuits[name] = (endpoint, after)
 
     def mark_unusable(self, candidate: Candidate, reason: str) -> None:
         """A refused credential: leave the account out until its config changes."""
@@ -541,11 +320,7 @@ class Admission:
                     sa.or_(call_slots.c.released_at.is_not(None), call_slots.c.lease_until < now),
                 )
             ).rowcount
-            conn.execute(
-                sa.delete(circuit_calls).where(
-                    circuit_calls.c.at < now - self.settings.circuit_window_sec
-                )
-            )
+            self.circuits.purge(conn, now)
             return int(gone)
 
         return self.db.write(work)
@@ -562,44 +337,21 @@ class Admission:
         if self._read_at is not None and now - self._read_at < self.cache_sec:
             return
 
-        def work(conn: Connection) -> tuple[list[Any], list[Any]]:
-            return (
-                list(conn.execute(sa.select(circuits))),
-                list(
-                    conn.execute(
-                        sa.select(
-                            account_state.c.provider,
-                            account_state.c.account,
-                            account_state.c.fingerprint,
-                        )
+        def work(conn: Connection) -> list[Any]:
+            self.circuits.load(conn)
+            return list(
+                conn.execute(
+                    sa.select(
+                        account_state.c.provider,
+                        account_state.c.account,
+                        account_state.c.fingerprint,
                     )
-                ),
+                )
             )
 
-        rows, accounts = self.db.read(work)
-        self._circuits = {r.provider: (r.endpoint, _circuit_of(r)) for r in rows}
+        accounts = self.db.read(work)
         self._unusable = {(a.provider, a.account, a.fingerprint) for a in accounts}
         self._read_at = now
-
-    def _circuit(self, name: str) -> Circuit | None:
-        """The provider's circuit as last read (None: it has no circuit breaker)."""
-        provider = self.catalog.provider(name)
-        if not provider.circuit:
-            return None
-        endpoint, state = self._circuits.get(name, (provider.endpoint, Circuit()))
-        return state if endpoint == provider.endpoint else Circuit()
-
-    def _circuit_row(self, conn: Connection, name: str) -> Circuit:
-        row = conn.execute(sa.select(circuits).where(circuits.c.provider == name)).first()
-        if row is None or row.endpoint != self.catalog.provider(name).endpoint:
-            return Circuit()
-        return _circuit_of(row)
-
-
-def _circuit_of(row: Any) -> Circuit:
-    return Circuit(
-        row.state, row.consecutive_failures, row.open_until, row.probe_owner, row.probe_until
-    )
 
 
 def _slot_refusal(answer: object) -> bool:

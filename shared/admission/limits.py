@@ -1,0 +1,175 @@
+"""The limited gates of admission (SPEC S-41): concurrency, bulkheads, sliding windows
+(rpm per provider account, rate per agent) and the daily budgets, counted from
+``call_slots`` and the usage ledger in one statement. Which apply to a candidate
+is plain data (``Limits.of``); ``check`` turns the counts into refusals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from shared.admission import usage
+from shared.admission.gates import Code, Refusal, next_day, window_free_at
+from shared.admission.routing import Candidate
+from shared.catalog import Catalog
+from shared.config import Settings
+from shared.schema import call_slots
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The database-backed gates that apply to one candidate (None/0: not configured)."""
+
+    global_concurrency: int
+    provider_concurrency: int | None
+    bulkhead: tuple[str, int] | None
+    rpm: tuple[int, float] | None  # calls per window, per provider account
+    agent_rate: tuple[int, float] | None
+    tokens: int
+    cost: float
+
+    @classmethod
+    def of(cls, catalog: Catalog, settings: Settings, c: Candidate, agent: str) -> Limits:
+        provider = catalog.provider(c.provider)
+        account = provider.account(c.account)
+        agent_config = catalog.agents.get(agent)
+        size = catalog.bulkheads.get(c.bulkhead) if c.bulkhead else None
+        return cls(
+            settings.global_concurrency,
+            provider.concurrency,
+            (c.bulkhead, size) if c.bulkhead and size else None,
+            (account.rpm, settings.rpm_window_sec) if account and account.rpm else None,
+            (agent_config.rate, agent_config.rate_window_sec)
+            if agent_config and agent_config.rate
+            else None,
+            settings.daily_token_budget,
+            settings.daily_cost_budget,
+        )
+
+    @property
+    def slot(self) -> bool:
+        """Whether an admission takes a ``call_slots`` row (slots and windows count them)."""
+        return bool(
+            self.global_concurrency
+            or self.provider_concurrency
+            or self.bulkhead
+            or self.rpm
+            or self.agent_rate
+        )
+
+    @property
+    def any(self) -> bool:
+        return bool(self.slot or self.tokens or self.cost)
+
+    def check(
+        self,
+        conn: Connection,
+        c: Candidate,
+        agent: str,
+        now: float,
+        gates: dict[str, Any],
+        *,
+        take: bool,
+        recheck: float,
+    ) -> tuple[list[Refusal], list[int]]:
+        """The refusals of the limited gates, and the room each leaves (calls that fit now;
+        windows count theirs only when not ``take``-ing: the sweeper's question). ``gates``
+        gets each gate's result for the routing history."""
+        refusals: list[Refusal] = []
+        rooms: list[int] = []
+        open_slot = sa.and_(call_slots.c.released_at.is_(None), call_slots.c.lease_until > now)
+        slots_gates = [
+            (gate, code, limit, where)
+            for gate, code, limit, where in (
+                ("concurrency", Code.CONCURRENCY_FULL, self.global_concurrency, sa.true()),
+                (
+                    "provider_concurrency",
+                    Code.CONCURRENCY_FULL,
+                    self.provider_concurrency,
+                    call_slots.c.provider == c.provider,
+                ),
+                (
+                    "bulkhead",
+                    Code.BULKHEAD_FULL,
+                    self.bulkhead[1] if self.bulkhead else None,
+                    call_slots.c.bulkhead == (self.bulkhead[0] if self.bulkhead else None),
+                ),
+            )
+            if limit
+        ]
+        windows = []
+        if self.rpm:
+            account = sa.and_(
+                call_slots.c.provider == c.provider, call_slots.c.account == c.account
+            )
+            windows.append(("rpm", self.rpm[0], self.rpm[1], account))
+        if self.agent_rate:
+            n, window = self.agent_rate
+            windows.append(("agent_rate", n, window, call_slots.c.agent == agent))
+        # Every count in one statement: one round trip however many gates apply.
+        asked: list[sa.ColumnElement[Any]] = []
+        for _, _, _, where in slots_gates:
+            asked.append(
+                sa.select(sa.func.count())
+                .select_from(call_slots)
+                .where(open_slot, where)
+                .scalar_subquery()
+            )
+        for _, limit, window, where in windows:
+            in_window = sa.and_(where, call_slots.c.admitted_at > now - window)
+            asked.append(  # the limit-th newest call of the window, if there are that many
+                sa.select(call_slots.c.admitted_at)
+                .where(in_window)
+                .order_by(call_slots.c.admitted_at.desc())
+                .offset(limit - 1)
+                .limit(1)
+                .scalar_subquery()
+            )
+            if not take:
+                asked.append(
+                    sa.select(sa.func.count())
+                    .select_from(call_slots)
+                    .where(in_window)
+                    .scalar_subquery()
+                )
+        if self.tokens or self.cost:
+            asked += usage.today_columns(now)
+        answers = iter(conn.execute(sa.select(*asked)).one() if asked else ())
+        for gate, code, limit, _ in slots_gates:
+            used = int(next(answers))
+            gates[gate] = f"{used}/{limit}"
+            rooms.append(limit - used)
+            if used >= limit:
+                refusals.append(Refusal(code, recheck, f"{gate}: {used}/{limit} calls in flight"))
+        for gate, limit, window, _ in windows:
+            free_at = window_free_at(next(answers), window, now)
+            gates[gate] = "ok" if free_at is None else "refused"
+            if not take:
+                counted = int(next(answers))
+                if free_at is None:
+                    rooms.append(limit - counted)
+            if free_at is not None:
+                what = f"{c.provider}/{c.account or '-'}" if gate == "rpm" else f"agent {agent}"
+                refusals.append(
+                    Refusal(
+                        Code.RATE_LIMITED,
+                        free_at,
+                        f"{gate}: {limit} calls per {window:g}s for {what}",
+                    )
+                )
+        if self.tokens or self.cost:
+            tokens, cost = int(next(answers)), float(next(answers))
+            over = (self.tokens and tokens >= self.tokens) or (self.cost and cost >= self.cost)
+            gates["budget"] = "refused" if over else "ok"
+            if over:
+                refusals.append(
+                    Refusal(
+                        Code.BUDGET_EXHAUSTED,
+                        next_day(now),
+                        f"daily budget used: {tokens} tokens, cost {cost:g}",
+                    )
+                )
+        return refusals, rooms
