@@ -12,9 +12,9 @@ from logging.config import fileConfig
 
 from alembic import context
 
-from shared.config import DEFAULT_DATABASE_URL
-from shared.db import Database
-from shared.schema import metadata
+from agentbus.config import DEFAULT_DATABASE_URL
+from agentbus.db import Database
+from agentbus.schema import metadata
 
 config = context.config
 if config.config_file_name is not None and "database" not in config.attributes:

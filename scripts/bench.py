@@ -57,18 +57,17 @@ import compare
 import psycopg
 import sqlalchemy as sa
 
-from shared import reads
-from shared.admission.store import Admission, Permit
-from shared.catalog import Catalog
-from shared.config import Config, Settings, load_config
-from shared.cooldowns import CooldownStore
-from shared.db import Database, migrate
-from shared.logging import configure
-from shared.outcomes import Succeeded
-from shared.queue import Completion, TaskQueue
-from shared.schema import bus_commands
-from shared.tasks import TaskSpec
-from sweeper import jobs
+from agentbus.admission.admission import Admission, Permit
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.catalog import Catalog
+from agentbus.config import Config, Settings, load_config
+from agentbus.db import Database, migrate
+from agentbus.logging import configure
+from agentbus.providers.outcomes import Succeeded
+from agentbus.queue import Completion, TaskQueue, reads
+from agentbus.queue.tasks import TaskSpec
+from agentbus.schema import bus_commands
+from agentbus.sweeper import jobs
 
 PG_URL = os.environ.get(
     "AGENTBUS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"

@@ -37,10 +37,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from shared.db import Database, migrate
-from shared.queue import TaskQueue
-from shared.schema import bus_commands, task_events
-from shared.tasks import TaskSpec
+from agentbus.db import Database, migrate
+from agentbus.queue import TaskQueue
+from agentbus.queue.tasks import TaskSpec
+from agentbus.schema import bus_commands, task_events
 
 AGENTS = ("codex", "analyst", "ron")
 WORKERS_PER_AGENT = 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shared.config import Settings
+from agentbus.config import Settings
 
 
 def main() -> None:

@@ -1,4 +1,27 @@
-"""agentbus: the library that the worker, the sweeper and busctl share.
+"""agentbus: a durable job queue for fleets of LLM agents.
 
-Producers (an orchestrator written in Python) use :mod:`shared.client`.
+Producers (an orchestrator written in Python) use :class:`AgentBus`::
+
+    from agentbus import AgentBus
+
+The services are ``agentbus.worker`` and ``agentbus.sweeper``; operators use
+``agentbus.admin`` (``busctl``). Importing this package imports nothing heavy:
+``AgentBus`` is loaded on first use, so the command-line tools start quickly.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentbus.client import AgentBus, WaitTimeout
+
+__all__ = ["AgentBus", "WaitTimeout"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from agentbus import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'agentbus' has no attribute {name!r}")

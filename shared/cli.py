@@ -17,8 +17,8 @@ from typing import Any
 import click
 import sqlalchemy as sa
 
-from shared.db import first_line
-from shared.errors import BusError
+from agentbus.db import first_line
+from agentbus.errors import BusError
 
 EXIT_USAGE = 2
 
@@ -39,7 +39,7 @@ def run(command: click.Command, prog: str, args: list[str] | None = None) -> Non
         click.echo(f"{prog}: error: {_one_line(exc.message)}", err=True)
         sys.exit(EXIT_USAGE)
     except sa.exc.OperationalError as exc:
-        # Still failing after the retries of shared.db: the database is gone.
+        # Still failing after the retries of agentbus.db: the database is gone.
         click.echo(f"{prog}: error: database unavailable: {first_line(exc.orig)}", err=True)
         sys.exit(EXIT_USAGE)
     except KeyboardInterrupt:

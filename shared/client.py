@@ -1,6 +1,6 @@
 """The producer API: what an orchestrator written in Python uses.
 
-    from shared.client import AgentBus
+    from agentbus.client import AgentBus
 
     with AgentBus("sqlite:///ops_multiagent.db") as bus:
         task_id = bus.enqueue("codex", "Summarise the macro news", models=["sim/a", "sim/b"])
@@ -8,7 +8,7 @@
         print(task.status, task.result)
 
 The URL defaults to $AGENTBUS_DATABASE_URL, then sqlite:///ops_multiagent.db.
-Errors a caller can act on are ``shared.errors.BusError`` subclasses.
+Errors a caller can act on are ``agentbus.errors.BusError`` subclasses.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from shared.config import Settings
-from shared.db import Database
-from shared.queue import TaskQueue
-from shared.states import TERMINAL
-from shared.tasks import Task, TaskSpec
+from agentbus.config import Settings
+from agentbus.db import Database
+from agentbus.queue import TaskQueue
+from agentbus.queue.states import TERMINAL
+from agentbus.queue.tasks import Task, TaskSpec
 
 
 class WaitTimeout(TimeoutError):

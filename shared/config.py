@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.catalog import Catalog
-from shared.catalog_toml import SECTIONS
-from shared.errors import ConfigError
-from shared.logging import get_logger
+from agentbus.catalog import Catalog, parse_catalog
+from agentbus.catalog.parse import SECTIONS
+from agentbus.errors import ConfigError
+from agentbus.logging import get_logger
 
 log = get_logger("agentbus.config")
 
@@ -243,7 +243,7 @@ class Settings:
         self.backoff_steps()  # parses, or raises ConfigError
         if self.client_budget < 0:
             raise ConfigError("setting client_budget must not be negative")
-        from shared.admission.budget import check_mode
+        from agentbus.admission.budget import check_mode
 
         check_mode(self.budget_mode, self.client_budget)
         if self.max_attempts < 1:
@@ -319,7 +319,7 @@ class Config:
 
 
 class ConfigWatcher:
-    """Notices that the config file changed (time and size) and reads it again (S-47).
+    """Notices that the config file changed (time and size) and reads it again.
 
     ``load`` builds the config the way the process did at start (same flags).
     A file that no longer reads is reported and the running config kept.
@@ -378,7 +378,7 @@ def load_config(
     path = config_path(config_file, env)
     doc = read_toml(path) if path is not None else {}
     try:
-        catalog = Catalog.from_doc(doc)
+        catalog = parse_catalog(doc)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc.message}") from None
     return Config(Settings.from_doc(doc, path, overrides, env), catalog, path)

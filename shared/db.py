@@ -22,8 +22,8 @@ import sqlalchemy as sa
 import tenacity
 from sqlalchemy.engine import URL, Connection, Engine
 
-from shared.errors import BusError, DatabaseUnavailable, NotMigrated
-from shared.logging import get_logger
+from agentbus.errors import BusError, DatabaseUnavailable, NotMigrated
+from agentbus.logging import get_logger
 
 T = TypeVar("T")
 log = get_logger("agentbus.db")
@@ -231,7 +231,7 @@ def _sqlite_engine(url: URL, busy_timeout_ms: int, synchronous: str) -> Engine:
 
 
 def migrations_dir() -> Path:
-    return Path(str(resources.files("migrations")))
+    return Path(str(resources.files("agentbus.migrations")))
 
 
 def alembic_config(db: Database | None = None) -> Any:

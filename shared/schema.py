@@ -12,7 +12,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from shared.states import TaskStatus
+from agentbus.queue.states import TaskStatus
 
 metadata = sa.MetaData()
 
@@ -219,7 +219,7 @@ cooldown_history = sa.Table(
 )
 sa.Index("ix_cooldown_history_model", cooldown_history.c.model_id, cooldown_history.c.set_at)
 
-# -- admission (SPEC §5): every table below is written by shared.admission only ----
+# -- admission: every table below is written by agentbus.admission only ----
 
 #: One row per admitted call through a limited gate: a leased slot while
 #: ``released_at`` is NULL (concurrency, bulkheads), and an entry of the
@@ -307,7 +307,7 @@ account_state = sa.Table(
     sa.Column("unusable_since", Epoch, nullable=False),
 )
 
-# -- the workspace client budget and the event log (SPEC §6) -------------------
+# -- the workspace client budget and the event log -------------------
 
 #: Named client slots held now: one row per (name, holder); a name counts once
 #: however many processes hold it. ``lease_until`` returns a dead holder's slot.

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import click
 
-from shared import cli
-from shared.config import ConfigWatcher, load_config
-from shared.db import Database
-from shared.logging import configure
-from sweeper import jobs
-from sweeper.service import SweeperService, run_once
+from agentbus import cli
+from agentbus.config import ConfigWatcher, load_config
+from agentbus.db import Database
+from agentbus.logging import configure
+from agentbus.sweeper import jobs
+from agentbus.sweeper.service import SweeperService, run_once
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

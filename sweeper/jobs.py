@@ -2,7 +2,7 @@
 
 Each job reads the rows it needs through an index (due pauses by
 ``resume_after``, expired claims by ``lease_until``) and changes them in
-batches through ``shared.queue``, whose guarded writes make two sweepers
+batches through ``agentbus.queue``, whose guarded writes make two sweepers
 running at once harmless. Rescue runs before stale worker rows are pruned.
 """
 
@@ -17,21 +17,20 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from shared import retention
-from shared import workers as worker_rows
-from shared.admission.gates import Refusal
-from shared.admission.routing import Candidate
-from shared.admission.store import Admission
-from shared.catalog import Catalog
-from shared.config import Config, ConfigWatcher, Settings
-from shared.cooldowns import CooldownStore
-from shared.db import Database
-from shared.errors import ConfigError
-from shared.logging import get_logger
-from shared.queue import TaskQueue
-from shared.schema import bus_commands as t
-from sweeper.policy import DueTask, plan_resume
-from worker.policy import ALL_REFUSED
+from agentbus.admission.admission import Admission
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.admission.gates import Refusal
+from agentbus.admission.routing import Candidate
+from agentbus.catalog import Catalog
+from agentbus.config import Config, ConfigWatcher, Settings
+from agentbus.db import Database
+from agentbus.errors import ConfigError
+from agentbus.logging import get_logger
+from agentbus.queue import TaskQueue, retention
+from agentbus.queue import workers as worker_rows
+from agentbus.schema import bus_commands as t
+from agentbus.sweeper.policy import DueTask, plan_resume
+from agentbus.worker.policy import ALL_REFUSED
 
 log = get_logger("agentbus.sweeper")
 MAX_ROUNDS = 1000  # batches per pass: a bound, far above what one pass meets

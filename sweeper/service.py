@@ -22,8 +22,8 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
-from shared.logging import get_logger
-from sweeper import jobs
+from agentbus.logging import get_logger
+from agentbus.sweeper import jobs
 
 log = get_logger("agentbus.sweeper")
 

@@ -20,8 +20,8 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from shared.db import Database, migrate
-from shared.queue import TaskQueue
+from agentbus.db import Database, migrate
+from agentbus.queue import TaskQueue
 from tests.support import FakeClock, Proc
 
 PG_URL = os.environ.get(

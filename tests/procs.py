@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from multiprocessing.synchronize import Event
 
-from shared.db import Database
-from shared.queue import TaskQueue
+from agentbus.db import Database
+from agentbus.queue import TaskQueue
 
 
 def claim_and_complete(url: str, agent: str, worker: str, start: Event, batch: int) -> int:
@@ -27,7 +27,7 @@ def claim_and_complete(url: str, agent: str, worker: str, start: Event, batch: i
 
 def hammer(url: str, agent: str, rounds: int, busy_timeout_ms: int, start: Event) -> int:
     """Enqueue, claim and complete ``rounds`` tasks as fast as possible; returns how many."""
-    from shared.tasks import TaskSpec
+    from agentbus.queue.tasks import TaskSpec
 
     db = Database(url, sqlite_busy_timeout_ms=busy_timeout_ms, retry_for=60)
     queue = TaskQueue(db)
@@ -44,7 +44,7 @@ def hammer(url: str, agent: str, rounds: int, busy_timeout_ms: int, start: Event
 
 def reserve_one(url: str, holder: str, name: str, start: Event) -> str:
     """Reserve ``name`` in an enforce-mode workspace budget of 1 once ``start`` is set."""
-    from shared.admission.budget import WorkspaceBudget
+    from agentbus.admission.budget import WorkspaceBudget
 
     db = Database(url)
     budget = WorkspaceBudget(db, mode="enforce", budget=1, holder=holder)
@@ -56,7 +56,7 @@ def reserve_one(url: str, holder: str, name: str, start: Event) -> str:
 
 def reserve_many(url: str, holder: str, names: list[str], start: Event) -> list[str]:
     """Reserve ``names`` one after another in a warn-mode budget of 8 (hysteresis races)."""
-    from shared.admission.budget import WorkspaceBudget
+    from agentbus.admission.budget import WorkspaceBudget
 
     db = Database(url)
     budget = WorkspaceBudget(db, mode="warn", budget=8, holder=holder)

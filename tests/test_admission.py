@@ -7,14 +7,14 @@ from typing import Any
 
 import pytest
 
-from shared import events
-from shared.admission.gates import Code, Refusal
-from shared.admission.routing import Candidate
-from shared.admission.store import Admissible, Admission, Permit
-from shared.config import Config, load_config
-from shared.cooldowns import CooldownStore
-from shared.db import Database
-from shared.outcomes import Failed, RateLimited, Succeeded
+from agentbus.admission.admission import Admissible, Admission, Permit
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.admission.gates import Code, Refusal
+from agentbus.admission.routing import Candidate
+from agentbus.config import Config, load_config
+from agentbus.db import Database
+from agentbus.providers.outcomes import Failed, RateLimited, Succeeded
+from agentbus.queue import events
 from tests.support import FakeClock
 
 CONFIG = """

@@ -13,12 +13,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from shared import reads
-from shared.admission.gates import next_day
-from shared.db import Database
-from shared.queue import TaskQueue
-from shared.schema import bus_commands, call_slots, circuits, route_log, task_events
-from shared.tasks import TaskSpec
+from agentbus.admission.gates import next_day
+from agentbus.db import Database
+from agentbus.queue import TaskQueue, reads
+from agentbus.queue.tasks import TaskSpec
+from agentbus.schema import bus_commands, call_slots, circuits, route_log, task_events
 from tests.support import Proc, wait_until
 
 pytestmark = pytest.mark.process

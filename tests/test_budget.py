@@ -1,4 +1,4 @@
-"""The workspace client budget (SPEC §6) on SQLite and Postgres."""
+"""The workspace client budget on SQLite and Postgres."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from shared.admission.budget import Reserve, SessionBudget, WorkspaceBudget, client_budget
-from shared.db import Database
-from shared.errors import ConfigError
-from shared.queue import TaskQueue
-from shared.schema import bus_events
-from shared.tasks import TaskSpec
+from agentbus.admission.budget import Reserve, SessionBudget, WorkspaceBudget, client_budget
+from agentbus.db import Database
+from agentbus.errors import ConfigError
+from agentbus.queue import TaskQueue
+from agentbus.queue.tasks import TaskSpec
+from agentbus.schema import bus_events
 from tests import procs
 from tests.support import FakeClock, Proc, wait_until
 

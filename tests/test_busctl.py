@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from shared.cooldowns import CooldownStore
-from shared.db import Database
-from shared.queue import TaskQueue
-from shared.schema import metadata
-from shared.tasks import TaskSpec
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.db import Database
+from agentbus.queue import TaskQueue
+from agentbus.queue.tasks import TaskSpec
+from agentbus.schema import metadata
 
 Run = Callable[..., subprocess.CompletedProcess[str]]
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.admission.routing import resolve
-from shared.catalog import Catalog
-from shared.config import load_config
-from shared.errors import ConfigError
+from agentbus.admission.routing import resolve
+from agentbus.catalog import parse_catalog
+from agentbus.config import load_config
+from agentbus.errors import ConfigError
 
 GOOD = """
 lease_sec = 30
@@ -123,7 +123,7 @@ def test_a_good_config(tmp_path: Path) -> None:
 )
 def test_bad_catalogs(doc: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        Catalog.from_doc(doc)
+        parse_catalog(doc)
 
 
 def test_unknown_section_is_named(tmp_path: Path) -> None:

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from shared import reads
-from shared.db import Database
-from shared.queue import TaskQueue
-from shared.tasks import TaskSpec
+from agentbus.db import Database
+from agentbus.queue import TaskQueue, reads
+from agentbus.queue.tasks import TaskSpec
 from tests.support import Proc, wait_until
 
 pytestmark = pytest.mark.process

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.client import AgentBus, WaitTimeout
-from shared.errors import NotMigrated
-from shared.queue import TaskQueue
-from shared.tasks import InvalidTask
+from agentbus.client import AgentBus, WaitTimeout
+from agentbus.errors import NotMigrated
+from agentbus.queue import TaskQueue
+from agentbus.queue.tasks import InvalidTask
 
 
 def test_enqueue_and_wait_for_the_result(db_url: str) -> None:

@@ -9,10 +9,10 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import sqlalchemy as sa
 
-from shared.db import Database
-from shared.queue import TaskQueue
-from shared.schema import bus_commands, task_events
-from shared.tasks import TaskSpec
+from agentbus.db import Database
+from agentbus.queue import TaskQueue
+from agentbus.queue.tasks import TaskSpec
+from agentbus.schema import bus_commands, task_events
 from tests.procs import claim_and_complete
 
 TASKS = 2000

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import Settings
-from shared.errors import ConfigError
+from agentbus.config import Settings
+from agentbus.errors import ConfigError
 
 
 def test_precedence(tmp_path: Path) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.cooldowns import CooldownStore
-from shared.db import Database
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.db import Database
 from tests.support import FakeClock
 
 

@@ -10,10 +10,10 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from shared.db import Database, is_transient, parse_url, redact
-from shared.errors import BusError
-from shared.queue import TaskQueue
-from shared.tasks import TaskSpec
+from agentbus.db import Database, is_transient, parse_url, redact
+from agentbus.errors import BusError
+from agentbus.queue import TaskQueue
+from agentbus.queue.tasks import TaskSpec
 from tests.conftest import PG_URL, Backends
 
 

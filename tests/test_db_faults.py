@@ -17,10 +17,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from shared import reads
-from shared.db import Database, migrate
-from shared.queue import TaskQueue
-from shared.tasks import TaskSpec
+from agentbus.db import Database, migrate
+from agentbus.queue import TaskQueue, reads
+from agentbus.queue.tasks import TaskSpec
 from tests.conftest import IN_CI, Backends
 from tests.procs import hammer
 from tests.support import Proc, wait_until

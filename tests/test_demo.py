@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from shared import kpi, reads
-from shared.db import Database
+from agentbus.admin import kpi
+from agentbus.db import Database
+from agentbus.queue import reads
 from tests.support import wait_until
 
 pytestmark = pytest.mark.process

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from shared.admission.routing import resolve
-from shared.config import Settings, load_config
+from agentbus.admission.routing import resolve
+from agentbus.config import Settings, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,15 +18,15 @@ def test_every_setting_and_env_var_is_documented() -> None:
 
 
 def test_the_example_config_loads() -> None:
-    config = load_config(ROOT / "agentbus.example.toml", environ={})
+    config = load_config(ROOT / "shared/admin/agentbus.example.toml", environ={})
     found = resolve(config.catalog, models=None, role=None, agent="codex", environ=None)
     assert found.candidates[0].model == "claude-opus"
 
 
 def test_the_example_config_shows_every_catalog_key() -> None:
-    from shared import catalog_toml
+    from agentbus.catalog import parse as catalog_toml
 
-    text = (ROOT / "agentbus.example.toml").read_text()
+    text = (ROOT / "shared/admin/agentbus.example.toml").read_text()
     keys = set().union(*catalog_toml._KEYS.values()) | {"key_env", "rpm", "models", "candidates"}
     keys |= {"fallback", "role", "rate", "rate_window_sec", "bulkhead", "default_role"}
     keys |= {"input_cost_per_1k", "output_cost_per_1k", "provider", "name", "account"}

@@ -15,20 +15,20 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
-from shared import cli
-from shared.admission.store import Admission
-from shared.busctl import busctl
-from shared.catalog import Catalog
-from shared.config import Config, Settings, load_config
-from shared.cooldowns import CooldownStore
-from shared.db import Database
-from shared.errors import ConfigError
-from shared.providers import Providers
-from shared.queue import TaskQueue
-from shared.schema import bus_commands, task_events
-from shared.tasks import TaskSpec
-from worker import policy
-from worker.runner import Runner
+from agentbus import cli
+from agentbus.admin.busctl import busctl
+from agentbus.admission.admission import Admission
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.catalog import Catalog, parse_catalog
+from agentbus.config import Config, Settings, load_config
+from agentbus.db import Database
+from agentbus.errors import ConfigError
+from agentbus.providers import Providers
+from agentbus.queue import TaskQueue
+from agentbus.queue.tasks import TaskSpec
+from agentbus.schema import bus_commands, task_events
+from agentbus.worker import policy
+from agentbus.worker.runner import Runner
 
 FUZZ = settings(
     max_examples=60,
@@ -121,7 +121,7 @@ def test_fuzzed_enqueue_is_one_line_or_a_task(db_url: str) -> None:
 )
 def test_fuzzed_config_documents_load_or_say_why(doc: dict[str, Any]) -> None:
     try:
-        Catalog.from_doc(doc)
+        parse_catalog(doc)
         Settings.from_doc(doc, Path("agentbus.toml"), None, {})
     except ConfigError as exc:
         assert exc.message and "\n" not in exc.message
@@ -168,7 +168,7 @@ def task_rows(draw: st.DrawFn) -> dict[str, Any]:
 def test_fuzzed_task_rows_never_crash_the_worker(
     db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("shared.providers.simulated.time.sleep", lambda _s: None)
+    monkeypatch.setattr("agentbus.providers.simulated.time.sleep", lambda _s: None)
     queue = TaskQueue(db)
     quick = Settings(call_retries=0, call_retry_wait_sec=0.001)
     cooldowns = CooldownStore(db)

@@ -1,4 +1,4 @@
-"""KPI views over crafted event logs on both backends; scripts/kpi.sql in the real clients."""
+"""KPI views over crafted event logs on both backends; kpi.sql in the real clients."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from shared import kpi
-from shared.cooldowns import CooldownStore
-from shared.db import Database
-from shared.queue import TaskQueue
-from shared.tasks import TaskSpec
+from agentbus.admin import kpi
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.db import Database
+from agentbus.queue import TaskQueue
+from agentbus.queue.tasks import TaskSpec
 from tests.conftest import IN_CI
 from tests.support import FakeClock
 
@@ -98,7 +98,7 @@ def test_kpis_on_a_crafted_log(db: Database, clock: FakeClock) -> None:
         "HTTP 400",
         routes=[
             route(d, td, "sim/a", "skip", None, now),
-            route(d, td, "sim/b", "call", "fatal", now),
+            route(d, td, "sim/b", "call", "permanent", now),
         ],
     )
     # E: a skip of a model the table did not have in cooldown: inconsistent (a hit, paused).
@@ -173,7 +173,7 @@ def test_kpi_sql_runs_in_the_real_clients(db: Database, db_url: str, clock: Fake
         routes=[route(task_id, token, "sim/a", "call", "rate_limited", 1.0)],
     )
     CooldownStore(db).set("sim/a", 2e9, reason="429")
-    script = Path("scripts/kpi.sql").read_text()
+    script = Path("shared/admin/kpi.sql").read_text()
     if db.dialect == "sqlite":
         argv = [_client("sqlite3"), "-bail", str(db.url.database)]
     else:

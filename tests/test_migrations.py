@@ -10,11 +10,11 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from shared.db import Database, downgrade, head_revision, migrate
-from shared.errors import NotMigrated
-from shared.queue import TaskQueue
-from shared.schema import metadata
-from shared.tasks import TaskSpec
+from agentbus.db import Database, downgrade, head_revision, migrate
+from agentbus.errors import NotMigrated
+from agentbus.queue import TaskQueue
+from agentbus.queue.tasks import TaskSpec
+from agentbus.schema import metadata
 
 LEGACY_SQLITE = """
 CREATE TABLE bus_commands (

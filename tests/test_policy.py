@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.config import Settings
-from shared.outcomes import Failed, RateLimited, TimedOut
-from worker import policy
+from agentbus.config import Settings
+from agentbus.providers.outcomes import Failed, RateLimited, TimedOut
+from agentbus.worker import policy
 
 S = Settings()
 STEPS = S.backoff_steps()

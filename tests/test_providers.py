@@ -9,13 +9,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.catalog import AccountConfig, Catalog, ProviderConfig
-from shared.outcomes import AuthFailed, Failed, RateLimited, Succeeded, TimedOut, Usage
-from shared.providers import CallRequest
-from shared.providers.command import CommandProvider
-from shared.providers.openai import OpenAIProvider, retry_after
-from shared.providers.simulated import SimulatedProvider
-from shared.tasks import InvalidTask
+from agentbus.catalog import AccountConfig, ProviderConfig, parse_catalog
+from agentbus.providers import CallRequest
+from agentbus.providers.command import CommandProvider
+from agentbus.providers.openai import OpenAIProvider, retry_after
+from agentbus.providers.outcomes import AuthFailed, Failed, RateLimited, Succeeded, TimedOut, Usage
+from agentbus.providers.simulated import SimulatedProvider
+from agentbus.queue.tasks import InvalidTask
 
 KEY = "sk-test-5ecret-do-not-log"
 CONFIG = ProviderConfig(
@@ -116,7 +116,7 @@ def script(tmp_path: Path, body: str) -> tuple[str, ...]:
 
 
 def command(tmp_path: Path, body: str, **kw: object) -> CommandProvider:
-    cat = Catalog.from_doc(
+    cat = parse_catalog(
         {"providers": {"cli": {"kind": "command", "argv": list(script(tmp_path, body)), **kw}}}
     )
     return CommandProvider(cat.providers["cli"])
@@ -137,7 +137,7 @@ def test_command_provider(tmp_path: Path) -> None:
     assert other.call(request()) == Failed("cli: exit 3", retryable=True)
     slow = command(tmp_path, "sys.stdin.read(); import signal; signal.pause()", timeout_sec=0.3)
     assert isinstance(slow.call(request()), TimedOut)
-    cat = Catalog.from_doc({"providers": {"cli": {"kind": "command", "argv": ["/no/such/bin"]}}})
+    cat = parse_catalog({"providers": {"cli": {"kind": "command", "argv": ["/no/such/bin"]}}})
     missing = CommandProvider(cat.providers["cli"]).call(request())
     assert isinstance(missing, Failed) and not missing.retryable
 

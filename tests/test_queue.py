@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared import reads
-from shared.errors import TaskNotFound, TransitionRejected
-from shared.queue import Completion, TaskQueue
-from shared.states import TaskStatus
-from shared.tasks import TaskSpec
+from agentbus.errors import TaskNotFound, TransitionRejected
+from agentbus.queue import Completion, TaskQueue, reads
+from agentbus.queue.states import TaskStatus
+from agentbus.queue.tasks import TaskSpec
 from tests.support import FakeClock
 
 

@@ -14,12 +14,12 @@ from typing import Any
 import httpx
 import pytest
 
-from shared.cooldowns import CooldownStore
-from shared.db import Database
-from shared.queue import TaskQueue
-from shared.schema import circuits
-from shared.tasks import TaskSpec
-from shared.workers import WorkerRegistry
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.db import Database
+from agentbus.queue import TaskQueue
+from agentbus.queue.tasks import TaskSpec
+from agentbus.queue.workers import WorkerRegistry
+from agentbus.schema import circuits
 from tests.conftest import IN_CI
 from tests.support import Proc, wait_until
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from shared.db import Database, migrate
-from shared.schema import workers
+from agentbus.db import Database, migrate
+from agentbus.schema import workers
 from tests.support import Proc, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Only the legal transitions of SPEC §2 ever succeed (hypothesis, stateful).
+"""Only the legal transitions of the state machine ever succeed (hypothesis, stateful).
 
 The machine drives one task through random queue operations (including ones
 with a stale claim token) on a real database and checks, after every step,
@@ -16,11 +16,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from shared import reads
-from shared.errors import TransitionRejected
-from shared.queue import TaskQueue
-from shared.states import TRANSITIONS, TaskStatus, is_legal
-from shared.tasks import TaskSpec
+from agentbus.errors import TransitionRejected
+from agentbus.queue import TaskQueue, reads
+from agentbus.queue.states import TRANSITIONS, TaskStatus, is_legal
+from agentbus.queue.tasks import TaskSpec
 from tests.support import FakeClock
 
 S = TaskStatus

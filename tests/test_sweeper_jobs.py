@@ -6,16 +6,16 @@ import pytest
 import sqlalchemy as sa
 from structlog.testing import capture_logs
 
-from shared import reads
-from shared import workers as worker_rows
-from shared.catalog import Catalog
-from shared.config import Settings
-from shared.db import Database
-from shared.errors import TransitionRejected
-from shared.schema import call_slots, model_cooldown, ops_todos, route_log, task_events, workers
-from shared.tasks import TaskSpec
-from sweeper import jobs
-from sweeper.policy import DueTask, plan_resume
+from agentbus.catalog import Catalog
+from agentbus.config import Settings
+from agentbus.db import Database
+from agentbus.errors import TransitionRejected
+from agentbus.queue import reads
+from agentbus.queue import workers as worker_rows
+from agentbus.queue.tasks import TaskSpec
+from agentbus.schema import call_slots, model_cooldown, ops_todos, route_log, task_events, workers
+from agentbus.sweeper import jobs
+from agentbus.sweeper.policy import DueTask, plan_resume
 from tests.support import FakeClock
 
 HOUR = 3600.0

@@ -10,11 +10,10 @@ from collections.abc import Callable
 import pytest
 import sqlalchemy as sa
 
-from shared import reads
-from shared.db import Database
-from shared.queue import TaskQueue
-from shared.schema import ops_todos, task_events
-from shared.tasks import TaskSpec
+from agentbus.db import Database
+from agentbus.queue import TaskQueue, reads
+from agentbus.queue.tasks import TaskSpec
+from agentbus.schema import ops_todos, task_events
 from tests.support import Proc, wait_until
 
 pytestmark = pytest.mark.process

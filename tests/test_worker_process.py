@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from shared import reads
-from shared.db import Database
-from shared.queue import TaskQueue
-from shared.schema import model_cooldown, workers
-from shared.tasks import TaskSpec
+from agentbus.db import Database
+from agentbus.queue import TaskQueue, reads
+from agentbus.queue.tasks import TaskSpec
+from agentbus.schema import model_cooldown, workers
 from tests.support import Proc, wait_until
 
 pytestmark = pytest.mark.process

@@ -6,13 +6,13 @@ import os
 
 import click
 
-from shared import cli
-from shared.config import load_config
-from shared.db import Database
-from shared.errors import ConfigError
-from shared.logging import configure, get_logger
-from shared.tasks import NAME_RE
-from worker.loop import Options, Worker
+from agentbus import cli
+from agentbus.catalog import NAME_RE
+from agentbus.config import load_config
+from agentbus.db import Database
+from agentbus.errors import ConfigError
+from agentbus.logging import configure, get_logger
+from agentbus.worker.loop import Options, Worker
 
 log = get_logger("agentbus.worker")
 

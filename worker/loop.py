@@ -17,19 +17,19 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.admission.budget import client_budget
-from shared.admission.store import Admission
-from shared.config import Config, ConfigWatcher
-from shared.cooldowns import CooldownStore
-from shared.db import Database
-from shared.errors import TransitionRejected
-from shared.logging import get_logger
-from shared.providers import Providers
-from shared.queue import Completion, TaskQueue
-from shared.tasks import Task
-from shared.workers import WorkerRegistry, new_worker_id
-from worker import policy
-from worker.runner import Run, Runner
+from agentbus.admission.admission import Admission
+from agentbus.admission.budget import client_budget
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.config import Config, ConfigWatcher
+from agentbus.db import Database
+from agentbus.errors import TransitionRejected
+from agentbus.logging import get_logger
+from agentbus.providers import Providers
+from agentbus.queue import Completion, TaskQueue
+from agentbus.queue.tasks import Task
+from agentbus.queue.workers import WorkerRegistry, new_worker_id
+from agentbus.worker import policy
+from agentbus.worker.runner import Run, Runner
 
 log = get_logger("agentbus.worker")
 

@@ -1,7 +1,7 @@
 """What happens to a task, decided from plain values (no I/O; tested exhaustively).
 
 The worker's shell calls these with the outcome of a model call and the
-task's state, and carries out the decision through ``shared.queue``.
+task's state, and carries out the decision through ``agentbus.queue``.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from shared.config import Settings
-from shared.outcomes import Failed, RateLimited, TimedOut, Usage
+from agentbus.config import Settings
+from agentbus.providers.outcomes import Failed, RateLimited, TimedOut, Usage
 
 ALL_COOLING = "all candidate models are cooling down"
 ALL_REFUSED = "no candidate is admitted now"

@@ -1,6 +1,6 @@
 """Run one claimed task through its model chain and decide what becomes of it.
 
-The candidates come from admission (``shared.admission``): each is asked for
+The candidates come from admission (``agentbus.admission``): each is asked for
 a permit right before its call, and one that is cooling or refused by a gate
 is skipped. A rate-limited, overloaded or timed-out answer cools the model
 (or, for a 429 through one of several accounts, that account's use of it)
@@ -8,7 +8,7 @@ down for every process (``model_cooldown``) and the next candidate is tried.
 A refused credential makes the account unusable and the next one is tried. A
 retryable error is retried in the call a few times (tenacity) before the
 attempt counts as spent. The result is a ``policy.Decision``; this module
-changes no task — the loop settles it through ``shared.queue``.
+changes no task — the loop settles it through ``agentbus.queue``.
 """
 
 from __future__ import annotations
@@ -20,18 +20,26 @@ from typing import Any
 
 import tenacity
 
-from shared.admission.budget import ClientBudget, Reserve
-from shared.admission.gates import Code, Refusal
-from shared.admission.routing import Candidate
-from shared.admission.store import Admission, Permit
-from shared.config import Settings
-from shared.cooldowns import CooldownStore
-from shared.errors import ConfigError
-from shared.logging import get_logger
-from shared.outcomes import AuthFailed, Failed, Outcome, RateLimited, Succeeded, TimedOut
-from shared.providers import CallRequest, Provider, Providers
-from shared.tasks import InvalidTask, Task
-from worker import policy
+from agentbus.admission.admission import Admission, Permit
+from agentbus.admission.budget import ClientBudget, Reserve
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.admission.gates import Code, Refusal
+from agentbus.admission.routing import Candidate
+from agentbus.config import Settings
+from agentbus.errors import ConfigError
+from agentbus.logging import get_logger
+from agentbus.providers import CallRequest, Provider, Providers
+from agentbus.providers.outcomes import (
+    AuthFailed,
+    Failed,
+    Outcome,
+    RateLimited,
+    Succeeded,
+    TimedOut,
+    name_of,
+)
+from agentbus.queue.tasks import InvalidTask, Task
+from agentbus.worker import policy
 
 log = get_logger("agentbus.worker")
 
@@ -222,7 +230,7 @@ class Runner:
             "worker": self.worker_id,
             "model": c.model,
             "decision": decision,
-            "outcome": outcome_name(outcome) if outcome is not None else None,
+            "outcome": name_of(outcome).value if outcome is not None else None,
             "cooldown_until": refusal.retry_after
             if refusal is not None and refusal.code is Code.COOLDOWN
             else None,
@@ -271,25 +279,6 @@ class Runner:
         )
         retried: Outcome = retrying(_call_once, provider, request)
         return retried
-
-
-def outcome_name(outcome: Outcome) -> str:
-    """How route_log names an outcome."""
-    match outcome:
-        case Succeeded():
-            return "ok"
-        case RateLimited(overloaded=True):
-            return "overloaded"
-        case RateLimited():
-            return "rate_limited"
-        case TimedOut():
-            return "timeout"
-        case AuthFailed():
-            return "auth"
-        case Failed(retryable=True):
-            return "error"
-        case _:
-            return "fatal"
 
 
 def _call_once(provider: Provider, request: CallRequest) -> Outcome:

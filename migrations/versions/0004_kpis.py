@@ -1,4 +1,4 @@
-"""Routing log, cooldown history and the KPI views (SPEC §7).
+"""Routing log, cooldown history and the KPI views.
 
 The views have the same text on SQLite and Postgres. Base views give one row
 per fact with its time (``at``) so any window can be applied; ``kpi_summary``

@@ -1,4 +1,4 @@
-"""Admission (SPEC §5): call slots, circuits, the usage ledger, account state, and the
+"""Admission: call slots, circuits, the usage ledger, account state, and the
 routing columns of route_log. The KPI views learn gate refusals (decision 'refuse')
 and account-scoped cooldowns (model_cooldown keys ``model@account``).
 
@@ -21,7 +21,7 @@ depends_on = None
 
 BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 Epoch = sa.Float(precision=53).with_variant(sa.REAL(), "sqlite")
-_v4 = importlib.import_module("migrations.versions.0004_kpis")
+_v4 = importlib.import_module("agentbus.migrations.versions.0004_kpis")
 
 COOLDOWN_OUTCOMES = "('rate_limited', 'overloaded', 'timeout')"
 ROUTE_COLUMNS = (

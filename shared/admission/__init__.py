@@ -1,4 +1,4 @@
-"""The Model Resource Manager (SPEC §5): which candidates a task may use, and whether a call
+"""The Model Resource Manager: which candidates a task may use, and whether a call
 to one may start now.
 
 ``routing.resolve`` lists candidates (no slot taken); ``Admission.admit``

@@ -1,4 +1,4 @@
-"""The workspace client budget (SPEC §6): named slots reserved while in use, shared by
+"""The workspace client budget: named slots reserved while in use, shared by
 every process of the workspace (the database).
 
 ``try_reserve(name)`` answers ``reserved``, ``already_held`` (the name counts
@@ -26,11 +26,11 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from shared import eventlog
-from shared.db import Database
-from shared.errors import ConfigError
-from shared.schema import budget_slots as slots
-from shared.schema import budget_state as state
+from agentbus.admission import journal
+from agentbus.db import Database
+from agentbus.errors import ConfigError
+from agentbus.schema import budget_slots as slots
+from agentbus.schema import budget_state as state
 
 WARN_FRACTION = 0.75
 REARM_FRACTION = 0.375
@@ -59,7 +59,7 @@ class _Budget:
     """What both budgets share: their settings, and this process's bulk passes (nesting
     depth and the refusals they gathered)."""
 
-    scope = eventlog.WORKSPACE
+    scope = journal.WORKSPACE
 
     def __init__(
         self,
@@ -126,7 +126,7 @@ class _Budget:
 
 
 class WorkspaceBudget(_Budget):
-    scope = eventlog.WORKSPACE
+    scope = journal.WORKSPACE
 
     # -- slots ---------------------------------------------------------------
 
@@ -191,7 +191,7 @@ class WorkspaceBudget(_Budget):
             ).rowcount
             if fired:
                 detail = {"reserved": count, "budget": self.budget, "names": sorted(names)}
-                eventlog.emit(
+                journal.emit(
                     conn, "budget_warning", now, scope=self.scope, source=self.holder, detail=detail
                 )
         elif share < REARM_FRACTION:
@@ -227,7 +227,7 @@ class WorkspaceBudget(_Budget):
             now = self.clock()
             self._set_last_refused(conn, names, now)
             detail = {"names": names, "count": len(names), "budget": self.budget}
-            eventlog.emit(
+            journal.emit(
                 conn, "refused_batch", now, scope=self.scope, source=self.holder, detail=detail
             )
 
@@ -279,7 +279,7 @@ def _init_state(dialect: str) -> sa.Insert:
 class SessionBudget(_Budget):
     """The per-process budget (``no_workspace_budget``): each process counts its own slots."""
 
-    scope = eventlog.SESSION
+    scope = journal.SESSION
 
     def __init__(
         self,
@@ -334,7 +334,7 @@ class SessionBudget(_Budget):
     def _emit(self, kind: str, detail: dict[str, Any]) -> None:
         now = self.clock()
         self.db.write(
-            lambda conn: eventlog.emit(
+            lambda conn: journal.emit(
                 conn, kind, now, scope=self.scope, source=self.holder, detail=detail
             )
         )

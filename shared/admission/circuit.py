@@ -10,13 +10,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from shared import eventlog
-from shared.admission.gates import Circuit, CircuitRules, after_call
-from shared.catalog import ProviderConfig
-from shared.config import Settings
-from shared.logging import get_logger
-from shared.schema import circuit_calls as calls
-from shared.schema import circuits
+from agentbus.admission import journal
+from agentbus.admission.gates import Circuit, CircuitRules, after_call
+from agentbus.catalog import ProviderConfig
+from agentbus.config import Settings
+from agentbus.logging import get_logger
+from agentbus.schema import circuit_calls as calls
+from agentbus.schema import circuits
 
 log = get_logger("agentbus.admission")
 
@@ -77,7 +77,7 @@ class CircuitStore:
         ).rowcount
         if won:
             log.info("circuit_probe", provider=provider.name, worker=self.worker)
-            eventlog.emit(
+            journal.emit(
                 conn,
                 "circuit_half_open",
                 now,
@@ -144,7 +144,7 @@ class CircuitStore:
                 "window": f"{failures}/{n} failed",
                 "open_until": after.open_until,
             }
-            eventlog.emit(conn, f"circuit_{after.state}", now, source=self.worker, detail=detail)
+            journal.emit(conn, f"circuit_{after.state}", now, source=self.worker, detail=detail)
         self._cache[name] = (endpoint, after)
 
     def purge(self, conn: Connection, now: float) -> None:

@@ -10,11 +10,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.outcomes import Failed, Outcome, RateLimited, Succeeded, TimedOut
+from agentbus.providers.outcomes import Failed, Outcome, RateLimited, Succeeded, TimedOut
 
 
 class Code(enum.StrEnum):
-    """Refusal codes (S-45). The first three keep seed 001's JSON-RPC numbers."""
+    """Refusal codes. The first three keep the JSON-RPC numbers of the traffic-governance
+    contract (-32000, -32001, -32002)."""
 
     RATE_LIMITED = "rate_limited"
     CIRCUIT_OPEN = "circuit_open"
@@ -22,7 +23,7 @@ class Code(enum.StrEnum):
     COOLDOWN = "cooldown"
     BUDGET_EXHAUSTED = "budget_exhausted"
     CONCURRENCY_FULL = "concurrency_full"
-    CLIENT_BUDGET = "client_budget"  # the workspace client budget (SPEC §6) is full
+    CLIENT_BUDGET = "client_budget"  # the workspace client budget is full
 
     @property
     def number(self) -> int | None:

@@ -1,4 +1,4 @@
-"""The limited gates of admission (SPEC S-41): concurrency, bulkheads, sliding windows
+"""The limited gates of admission: concurrency, bulkheads, sliding windows
 (rpm per provider account, rate per agent) and the daily budgets, counted from
 ``call_slots`` and the usage ledger in one statement. Which apply to a candidate
 is plain data (``Limits.of``); ``check`` turns the counts into refusals."""
@@ -11,12 +11,12 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from shared.admission import usage
-from shared.admission.gates import Code, Refusal, next_day, window_free_at
-from shared.admission.routing import Candidate
-from shared.catalog import Catalog
-from shared.config import Settings
-from shared.schema import call_slots
+from agentbus.admission import usage
+from agentbus.admission.gates import Code, Refusal, next_day, window_free_at
+from agentbus.admission.routing import Candidate
+from agentbus.catalog import Catalog
+from agentbus.config import Settings
+from agentbus.schema import call_slots
 
 
 @dataclass(frozen=True)

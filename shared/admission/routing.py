@@ -15,8 +15,8 @@ import hashlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from shared.catalog import AccountConfig, CandidateSpec, Catalog, ProviderConfig
-from shared.errors import ConfigError
+from agentbus.catalog import AccountConfig, CandidateSpec, Catalog, ProviderConfig
+from agentbus.errors import ConfigError
 
 
 @dataclass(frozen=True)

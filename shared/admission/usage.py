@@ -14,8 +14,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from shared.admission.gates import day_of
-from shared.schema import usage_daily as u
+from agentbus.admission.gates import day_of
+from agentbus.schema import usage_daily as u
 
 
 def record(conn: Connection, routes: Iterable[Mapping[str, Any]]) -> None:

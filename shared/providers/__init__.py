@@ -1,102 +1,30 @@
-"""Model providers behind one small protocol: a call in, an ``Outcome`` out.
+"""Model providers behind one small protocol: a ``CallRequest`` in, an ``Outcome`` out.
 
 ``simulated`` serves every ``sim/…`` model with scripted behaviour; ``openai``
 speaks to any OpenAI-compatible chat-completions endpoint; ``command`` runs a
-CLI agent. A provider never raises for a failed call — it returns an outcome
-— except ``InvalidTask`` when the task itself cannot be run (a malformed
-simulation script), which fails the task with that reason.
+CLI agent. ``outcomes`` is the one table of what a call can come to, and of
+the names those outcomes go by. ``registry.Providers`` finds the provider of a
+model. Each provider module is imported only when a model of its kind is called.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from shared.catalog import Catalog
-from shared.outcomes import AuthFailed, Failed, Outcome, RateLimited, TimedOut
+if TYPE_CHECKING:
+    from agentbus.providers.base import CallRequest, Provider
+    from agentbus.providers.registry import Providers
 
-
-@dataclass(frozen=True)
-class CallRequest:
-    task_id: int
-    model: str
-    prompt: str
-    worker: str
-    timeout_sec: float
-    created_at: float | None = None
-    upstream: str | None = None  # the provider's name for the model, when it differs
-    account: str = ""  # the provider account the call goes through ("" when unnamed)
-    payload: Mapping[str, Any] = field(default_factory=dict)
+__all__ = ["CallRequest", "Provider", "Providers"]
 
 
-class Provider(Protocol):
-    def call(self, request: CallRequest) -> Outcome: ...
+def __getattr__(name: str) -> Any:
+    if name in ("CallRequest", "Provider"):
+        from agentbus.providers import base
 
+        return getattr(base, name)
+    if name == "Providers":
+        from agentbus.providers import registry
 
-def outcome_named(name: str, detail: str) -> Outcome:
-    """The outcome a config names (exit-code and stderr mappings of the command provider)."""
-    match name:
-        case "rate_limited":
-            return RateLimited(detail)
-        case "overloaded":
-            return RateLimited(detail, overloaded=True)
-        case "timeout":
-            return TimedOut(detail)
-        case "auth":
-            return AuthFailed(detail)
-        case "retryable":
-            return Failed(detail, retryable=True)
-        case _:
-            return Failed(detail, retryable=False)
-
-
-class Providers:
-    """Finds (and keeps) the provider that serves each model."""
-
-    def __init__(self, catalog: Catalog, environ: Mapping[str, str]) -> None:
-        self.catalog = catalog
-        self.environ = environ
-        self._made: dict[str, Provider] = {}
-
-    def for_model(self, model: str) -> tuple[Provider, str]:
-        """The provider of ``model`` and the name that provider knows it by."""
-        config = self.catalog.model(model)
-        if self.catalog.provider(config.provider).kind == "simulated":
-            return self._get("", self._simulated), config.upstream
-        return self._get(config.provider, self._configured), config.upstream
-
-    def check(self, payload: Mapping[str, Any], chain: tuple[str, ...]) -> None:
-        """Raise InvalidTask if the payload cannot drive this chain (before any call)."""
-        from shared.providers.simulated import script_for
-
-        for model in chain:
-            config = self.catalog.model(model)
-            if self.catalog.provider(config.provider).kind == "simulated":
-                script_for(payload, model)
-
-    def _get(self, name: str, make: Any) -> Provider:
-        if name not in self._made:
-            self._made[name] = make(name)
-        return self._made[name]
-
-    def _simulated(self, _name: str) -> Provider:
-        from shared.providers.simulated import SimulatedProvider
-
-        return SimulatedProvider(journal=self.environ.get("AGENTBUS_SIM_JOURNAL") or None)
-
-    def _configured(self, name: str) -> Provider:
-        config = self.catalog.providers[name]
-        if config.kind == "openai":
-            from shared.providers.openai import OpenAIProvider
-
-            return OpenAIProvider(config, self.environ)
-        from shared.providers.command import CommandProvider
-
-        return CommandProvider(config)
-
-    def close(self) -> None:
-        for provider in self._made.values():
-            close = getattr(provider, "close", None)
-            if close is not None:
-                close()
+        return registry.Providers
+    raise AttributeError(f"module 'agentbus.providers' has no attribute {name!r}")

@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import subprocess
 
-from shared.catalog import OUTCOME_NAMES, ProviderConfig
-from shared.outcomes import Failed, Outcome, Succeeded, TimedOut
-from shared.providers import CallRequest, outcome_named
+from agentbus.catalog import ProviderConfig
+from agentbus.providers import CallRequest
+from agentbus.providers.outcomes import (
+    FAILURE_NAMES,
+    Failed,
+    Outcome,
+    Succeeded,
+    TimedOut,
+    failure_named,
+)
 
 
 class CommandProvider:
@@ -42,9 +49,9 @@ class CommandProvider:
         last = (done.stderr.strip().splitlines() or [""])[-1][:200]
         detail = f"{self.config.name}: exit {done.returncode}: {last}".rstrip(": ")
         if done.returncode in self.config.exit_codes:
-            return outcome_named(self.config.exit_codes[done.returncode], detail)
-        for name in OUTCOME_NAMES:
+            return failure_named(self.config.exit_codes[done.returncode], detail)
+        for name in FAILURE_NAMES:
             pattern = self.config.stderr_patterns.get(name)
             if pattern is not None and pattern.search(done.stderr):
-                return outcome_named(name, detail)
+                return failure_named(name, detail)
         return Failed(detail, retryable=True)

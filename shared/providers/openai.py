@@ -13,9 +13,17 @@ from typing import Any
 
 import httpx
 
-from shared.catalog import ProviderConfig
-from shared.outcomes import AuthFailed, Failed, Outcome, RateLimited, Succeeded, TimedOut, Usage
-from shared.providers import CallRequest
+from agentbus.catalog import ProviderConfig
+from agentbus.providers import CallRequest
+from agentbus.providers.outcomes import (
+    AuthFailed,
+    Failed,
+    Outcome,
+    RateLimited,
+    Succeeded,
+    TimedOut,
+    Usage,
+)
 
 
 def retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:

@@ -1,8 +1,8 @@
 """The simulated provider: scripted outcomes per task, for the demo, tests and benchmarks.
 
 A task's payload key ``simulate`` maps a model id to a behaviour, either a
-name — ``ok``, ``rate_limited``, ``overloaded``, ``timeout``, ``error``
-(retryable), ``fatal`` (permanent), ``auth`` — or an object::
+name — ``ok``, ``rate_limited``, ``overloaded``, ``timeout``, ``retryable``
+(also ``error``), ``permanent`` (also ``fatal``), ``auth`` — or an object::
 
     {"behaviour": "rate_limited", "for_s": 15, "retry_after_s": 5, "latency_ms": 200}
 
@@ -24,11 +24,18 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from shared.outcomes import AuthFailed, Failed, Outcome, RateLimited, Succeeded, TimedOut, Usage
-from shared.providers import CallRequest
-from shared.tasks import InvalidTask
+from agentbus.providers import CallRequest
+from agentbus.providers.outcomes import (
+    ALIASES,
+    Outcome,
+    OutcomeName,
+    Succeeded,
+    Usage,
+    failure_named,
+)
+from agentbus.queue.tasks import InvalidTask
 
-BEHAVIOURS = ("ok", "rate_limited", "overloaded", "timeout", "error", "fatal", "auth")
+BEHAVIOURS = (*(n.value for n in OutcomeName), *ALIASES)
 MAX_LATENCY_MS = 600_000
 _KEYS = {"behaviour", "until", "for_s", "retry_after_s", "latency_ms", "accounts"}
 
@@ -104,18 +111,8 @@ class SimulatedProvider:
                     f"[{request.model}] done: {request.prompt[:60]}",
                     Usage(prompt_tokens=words, completion_tokens=8),
                 )
-            case "rate_limited" | "overloaded":
-                return RateLimited(
-                    what,
-                    retry_after_sec=script.get("retry_after_s"),
-                    overloaded=behaviour == "overloaded",
-                )
-            case "timeout":
-                return TimedOut(what)
-            case "auth":
-                return AuthFailed(what)
             case _:
-                return Failed(what, retryable=behaviour == "error")
+                return failure_named(behaviour, what, retry_after_sec=script.get("retry_after_s"))
 
     def _log(self, request: CallRequest, behaviour: str, started: float, now: float) -> None:
         if not self.journal:

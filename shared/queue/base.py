@@ -10,12 +10,12 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from shared import events
-from shared.db import Database
-from shared.errors import TransitionRejected
-from shared.schema import bus_commands as t
-from shared.states import TRANSITIONS, TaskStatus
-from shared.transitions import MOVE_MANY, SETTLE, claim_statement
+from agentbus.db import Database
+from agentbus.errors import TransitionRejected
+from agentbus.queue import events
+from agentbus.queue.statements import MOVE_MANY, SETTLE, claim_statement
+from agentbus.queue.states import TRANSITIONS, TaskStatus
+from agentbus.schema import bus_commands as t
 
 Clock = Callable[[], float]
 

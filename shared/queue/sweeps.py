@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from shared import events, ops
-from shared.queue.base import QueueBase
-from shared.schema import bus_commands as t
-from shared.transitions import POSTPONE, SETTLE
+from agentbus.queue import events
+from agentbus.queue import todos as ops
+from agentbus.queue.base import QueueBase
+from agentbus.queue.statements import POSTPONE, SETTLE
+from agentbus.schema import bus_commands as t
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,13 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from shared import events
-from shared.admission import usage
-from shared.db import Database
-from shared.errors import TaskNotFound
-from shared.schema import bus_commands as t
-from shared.schema import circuits, route_log
-from shared.tasks import Task
+from agentbus.admission import usage
+from agentbus.db import Database
+from agentbus.errors import TaskNotFound
+from agentbus.queue import events
+from agentbus.queue.tasks import Task
+from agentbus.schema import bus_commands as t
+from agentbus.schema import circuits, route_log
 
 
 def get_task(db: Database, task_id: int) -> Task:

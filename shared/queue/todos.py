@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from shared.schema import ops_todos
+from agentbus.schema import ops_todos
 
 
 def add(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:

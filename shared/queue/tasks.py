@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.errors import BusError
-from shared.schema import InvalidJSON
-from shared.states import TaskStatus
+from agentbus.catalog.model import NAME_RE
+from agentbus.errors import BusError
+from agentbus.queue.states import TaskStatus
+from agentbus.schema import InvalidJSON
 
-NAME_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}\Z")
 MAX_TEXT = 1_000_000
 
 

@@ -3,7 +3,7 @@
 Each statement is an UPDATE of ``bus_commands`` guarded by the source state
 (and, for a claim's writes, by the claim token), with bind parameters for
 the values, so that running one costs a cached execution, not the building
-of an expression. Only ``shared.queue`` executes them.
+of an expression. Only ``agentbus.queue`` executes them.
 
 Parameters: ``p_id``, ``p_token``, ``p_now`` always; per action the ones its
 ``PARAMS`` entry names.
@@ -18,8 +18,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.dml import Update
 
-from shared.schema import bus_commands as t
-from shared.states import TRANSITIONS
+from agentbus.queue.states import TRANSITIONS
+from agentbus.schema import bus_commands as t
 
 
 def _p(name: str, type_: Any = sa.Text) -> Any:

@@ -13,10 +13,10 @@ from collections.abc import Callable
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from shared.db import Database
-from shared.schema import bus_commands as t
-from shared.schema import cooldown_history, route_log
-from shared.schema import task_events as ev
+from agentbus.db import Database
+from agentbus.schema import bus_commands as t
+from agentbus.schema import cooldown_history, route_log
+from agentbus.schema import task_events as ev
 
 
 def prune(

@@ -31,7 +31,7 @@ every key)::
 
 Model ids that start with ``sim/`` and are not listed belong to the simulated
 provider ``sim`` (unlimited unless ``[providers.sim]`` sets limits). Every
-problem is one ConfigError naming where it is (see ``shared.catalog_toml``).
+problem is one ConfigError naming where it is (``agentbus.catalog.parse``).
 """
 
 from __future__ import annotations
@@ -40,12 +40,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from shared.errors import ConfigError
+from agentbus.errors import ConfigError
 
+#: What a name of an agent, model, role or account may look like.
+NAME_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}\Z")
 SIMULATED_PREFIX = "sim/"
 SIM_PROVIDER = "sim"
 PROVIDER_KINDS = ("openai", "command", "simulated")
-OUTCOME_NAMES = ("rate_limited", "overloaded", "timeout", "auth", "retryable", "permanent")
 
 
 @dataclass(frozen=True)
@@ -155,9 +156,3 @@ class Catalog:
             chain.append((config, origin))
             origin, current = current, config.fallback
         return chain
-
-    @classmethod
-    def from_doc(cls, doc: Mapping[str, object]) -> Catalog:
-        from shared.catalog_toml import parse
-
-        return parse(doc)

@@ -1,6 +1,6 @@
-"""Task states and the legal transitions between them (SPEC §2).
+"""Task states and the legal transitions between them.
 
-The schema mirrors ``TaskStatus`` with a CHECK constraint; ``shared.queue`` is
+The schema mirrors ``TaskStatus`` with a CHECK constraint; ``agentbus.queue`` is
 the only code that moves a task from one state to another, and every move it
 makes is one of ``TRANSITIONS``.
 """
@@ -52,5 +52,5 @@ TERMINAL: frozenset[TaskStatus] = frozenset({D, F, E})
 
 
 def is_legal(src: TaskStatus, dst: TaskStatus) -> bool:
-    """Whether SPEC §2 allows a task to move from ``src`` to ``dst``."""
+    """Whether the state machine allows a task to move from ``src`` to ``dst``."""
     return (src, dst) in LEGAL

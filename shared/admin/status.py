@@ -1,4 +1,4 @@
-"""The status snapshot of a workspace (SPEC S-55): one document for ``busctl status
+"""The status snapshot of a workspace: one document for ``busctl status
 --json``, ``GET /workspace/status``, the dashboard and the Prometheus metrics."""
 
 from __future__ import annotations
@@ -9,13 +9,15 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from shared import eventlog, kpi, reads
-from shared.admission.budget import client_budget
-from shared.config import Settings
-from shared.cooldowns import CooldownStore
-from shared.db import Database
-from shared.schema import bus_commands as t
-from shared.schema import bus_events, route_log, task_events, workers
+from agentbus.admin import kpi
+from agentbus.admission import journal
+from agentbus.admission.budget import client_budget
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.config import Settings
+from agentbus.db import Database
+from agentbus.queue import reads
+from agentbus.schema import bus_commands as t
+from agentbus.schema import bus_events, route_log, task_events, workers
 
 DUE_SOON = 20  # paused tasks listed, soonest first
 
@@ -63,7 +65,7 @@ def snapshot(db: Database, settings: Settings, now: float | None = None) -> dict
         ],
         "usage_today": reads.usage_by_day(db, now),
         "kpis": [k.as_dict() for k in kpi.compute(db)],
-        "events": eventlog.recent(db, limit=20),
+        "events": journal.recent(db, limit=20),
     }
 
 

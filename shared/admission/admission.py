@@ -1,5 +1,5 @@
 """Admission against the shared state in the database: the only writer of call_slots
-and account_state (circuits: ``shared.admission.circuit``).
+and account_state (circuits: ``agentbus.admission.circuit``).
 
 Cheap refusals come from per-process caches refreshed every ``cache_sec``
 (cooldowns, open circuits). A candidate with no limit configured is admitted
@@ -21,8 +21,9 @@ import tenacity
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from shared.admission.circuit import CircuitStore, circuit_rules
-from shared.admission.gates import (
+from agentbus.admission.circuit import CircuitStore, circuit_rules
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.admission.gates import (
     SLOT_CODES,
     Code,
     Refusal,
@@ -30,14 +31,13 @@ from shared.admission.gates import (
     circuit_failure,
     refuse,
 )
-from shared.admission.limits import Limits
-from shared.admission.routing import Candidate, Resolution, fingerprint, resolve
-from shared.config import Config
-from shared.cooldowns import CooldownStore
-from shared.db import Database
-from shared.logging import get_logger
-from shared.outcomes import Outcome
-from shared.schema import account_state, call_slots
+from agentbus.admission.limits import Limits
+from agentbus.admission.routing import Candidate, Resolution, fingerprint, resolve
+from agentbus.config import Config
+from agentbus.db import Database
+from agentbus.logging import get_logger
+from agentbus.providers.outcomes import Outcome
+from agentbus.schema import account_state, call_slots
 
 log = get_logger("agentbus.admission")
 ADVISORY_KEY = 0x61646D6974  # "admit": one lock serializes admissions on Postgres

@@ -19,11 +19,11 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from shared import eventlog
-from shared.db import Database
-from shared.logging import get_logger
-from shared.schema import cooldown_history
-from shared.schema import model_cooldown as mc
+from agentbus.admission import journal
+from agentbus.db import Database
+from agentbus.logging import get_logger
+from agentbus.schema import cooldown_history
+from agentbus.schema import model_cooldown as mc
 
 log = get_logger("agentbus.cooldowns")
 
@@ -130,7 +130,7 @@ class CooldownStore:
             }
             effective = float(conn.execute(self._upsert, row).scalar_one())
             detail = {"model": model, "until": effective, "reason": reason}
-            eventlog.emit(conn, "cooldown_set", now, source=source, detail=detail)
+            journal.emit(conn, "cooldown_set", now, source=source, detail=detail)
             conn.execute(
                 sa.insert(cooldown_history),
                 {
@@ -157,7 +157,7 @@ class CooldownStore:
             ).scalars()
             models = sorted(gone)
             for model in models:
-                eventlog.emit(conn, "cooldown_expired", now, detail={"model": model})
+                journal.emit(conn, "cooldown_expired", now, detail={"model": model})
             return len(models)
 
         return self.db.write(work)

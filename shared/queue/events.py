@@ -1,6 +1,6 @@
 """The append-only task event log: one row per transition, written with it.
 
-Only ``shared.queue`` appends (in the transaction of the change it
+Only ``agentbus.queue`` appends (in the transaction of the change it
 describes); everyone may read. KPIs are computed from this log.
 """
 
@@ -12,8 +12,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from shared.admission import usage
-from shared.schema import route_log, task_events
+from agentbus.admission import usage
+from agentbus.schema import route_log, task_events
 
 
 def storable(value: Any) -> Any:
@@ -65,7 +65,7 @@ def for_task(conn: Connection, task_id: int) -> list[dict[str, Any]]:
 
 
 def record_routes(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
-    """Append routing decisions (see ``shared.schema.route_log``) with the settle they led to,
+    """Append routing decisions (see ``agentbus.schema.route_log``) with the settle they led to,
     and add their calls' usage to the ledger."""
     batch = [dict(r) for r in rows]
     if batch:

@@ -16,9 +16,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from shared.db import Database
-from shared.logging import get_logger
-from shared.schema import bus_events, task_events
+from agentbus.db import Database
+from agentbus.logging import get_logger
+from agentbus.schema import bus_events, task_events
 
 log = get_logger("agentbus.events")
 WORKSPACE = "workspace"

@@ -14,7 +14,7 @@ SELECT kpi, name,
   FROM kpi_summary
  ORDER BY kpi;
 
--- The seed's quick checks: tasks paused right now ...
+-- Quick checks: tasks paused right now ...
 SELECT COUNT(*) AS paused_tasks FROM bus_commands WHERE status = 'paused';
 
 -- ... and the cooldowns in force (cooldown_until > now), with the time left.

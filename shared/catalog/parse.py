@@ -7,8 +7,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from shared.catalog import (
-    OUTCOME_NAMES,
+from agentbus.catalog.model import (
+    NAME_RE,
     PROVIDER_KINDS,
     SIM_PROVIDER,
     AccountConfig,
@@ -19,8 +19,8 @@ from shared.catalog import (
     ProviderConfig,
     RoleConfig,
 )
-from shared.errors import ConfigError
-from shared.tasks import NAME_RE
+from agentbus.errors import ConfigError
+from agentbus.providers.outcomes import FAILURE_NAMES as OUTCOME_NAMES
 
 #: Tables of the config file that are the catalog, not settings.
 SECTIONS = ("providers", "models", "roles", "agents", "bulkheads", "routing")
@@ -32,7 +32,7 @@ _KEYS = {
 }
 
 
-def parse(doc: Mapping[str, Any]) -> Catalog:
+def parse_catalog(doc: Mapping[str, Any]) -> Catalog:
     bulkheads = {}
     for name, size in _section(doc, "bulkheads", tables=False):
         bulkheads[name] = _count(size, f"[bulkheads] {name}")

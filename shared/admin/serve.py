@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from shared.logging import get_logger
+from agentbus.logging import get_logger
 
 log = get_logger("agentbus.serve")
 Snapshot = Callable[[], dict[str, Any]]
@@ -101,7 +101,7 @@ class SnapshotCollector(Collector):
 def make_server(host: str, port: int, snapshot: Snapshot) -> ThreadingHTTPServer:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(snapshot))
-    page = resources.files("shared").joinpath("dashboard.html").read_bytes()
+    page = resources.files("agentbus.admin").joinpath("dashboard.html").read_bytes()
 
     class Handler(BaseHTTPRequestHandler):
         server_version = "agentbus"

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from shared.db import Database
-from shared.schema import workers as w
+from agentbus.db import Database
+from agentbus.schema import workers as w
 
 
 def new_worker_id(agent: str) -> str:

@@ -1,4 +1,4 @@
-"""The four KPIs of the cooldown design (SPEC §7), read from the KPI views.
+"""The four KPIs of the cooldown design, read from the KPI views.
 
 Each KPI is a ratio (or, for KPI 4, a count) with the counts behind it; a
 zero denominator gives "n/a", never a division error. ``since`` limits every
@@ -13,9 +13,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from shared.cli import table
-from shared.db import Database
-from shared.errors import BusError
+from agentbus.cli import table
+from agentbus.db import Database
+from agentbus.errors import BusError
 
 
 @dataclass(frozen=True)

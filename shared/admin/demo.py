@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared import kpi, reads
-from shared.cooldowns import CooldownStore
-from shared.db import Database, migrate
-from shared.queue import TaskQueue
-from shared.tasks import TaskSpec
+from agentbus.admin import kpi
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.db import Database, migrate
+from agentbus.queue import TaskQueue, reads
+from agentbus.queue.tasks import TaskSpec
 
 AGENTS = ("codex", "analyst-macro", "ron")
 TOPICS = (

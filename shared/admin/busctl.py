@@ -11,15 +11,17 @@ from typing import Any
 
 import click
 
-from shared import cli, demo, eventlog, kpi, reads, serve, status
-from shared.config import Settings
-from shared.cooldowns import CooldownStore
-from shared.db import Database, migrate, redact
-from shared.errors import BusError
-from shared.logging import configure
-from shared.queue import TaskQueue
-from shared.states import TaskStatus
-from shared.tasks import TaskSpec, parse_models, parse_payload
+from agentbus import cli
+from agentbus.admin import demo, kpi, serve, status
+from agentbus.admission import journal
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.config import Settings
+from agentbus.db import Database, migrate, redact
+from agentbus.errors import BusError
+from agentbus.logging import configure
+from agentbus.queue import TaskQueue, reads
+from agentbus.queue.states import TaskStatus
+from agentbus.queue.tasks import TaskSpec, parse_models, parse_payload
 
 
 @dataclass
@@ -179,7 +181,7 @@ def events_cmd(c: Context, kinds: tuple[str, ...], limit: int, follow: bool) -> 
     stop = threading.Event()
     cli.on_stop_signals(lambda *_: stop.set())
     while True:
-        for e in eventlog.recent(db, kinds=kinds, since=since, limit=limit):
+        for e in journal.recent(db, kinds=kinds, since=since, limit=limit):
             detail = " ".join(f"{k}={v}" for k, v in (e["detail"] or {}).items())
             click.echo(f"{cli.fmt_time(e['at'])}  {e['kind']:<17} {e['scope']:<9} {detail}")
             since = e["at"]
