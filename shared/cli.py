@@ -12,13 +12,14 @@ import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import click
-import sqlalchemy as sa
 
-from agentbus.db import first_line
 from agentbus.errors import BusError
+
+if TYPE_CHECKING:
+    from sqlalchemy.exc import OperationalError
 
 EXIT_USAGE = 2
 
@@ -38,13 +39,23 @@ def run(command: click.Command, prog: str, args: list[str] | None = None) -> Non
     except BusError as exc:
         click.echo(f"{prog}: error: {_one_line(exc.message)}", err=True)
         sys.exit(EXIT_USAGE)
-    except sa.exc.OperationalError as exc:
+    except Exception as exc:
+        if not _database_gone(exc):
+            raise
+        from agentbus.db import first_line
+
         # Still failing after the retries of agentbus.db: the database is gone.
         click.echo(f"{prog}: error: database unavailable: {first_line(exc.orig)}", err=True)
         sys.exit(EXIT_USAGE)
     except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _database_gone(exc: Exception) -> TypeGuard[OperationalError]:
+    """An SQLAlchemy OperationalError (SQLAlchemy is imported by then if one was raised)."""
+    module = sys.modules.get("sqlalchemy.exc")
+    return module is not None and isinstance(exc, module.OperationalError)
 
 
 def on_stop_signals(stop: Callable[[str], None]) -> None:

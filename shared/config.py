@@ -29,6 +29,7 @@ log = get_logger("agentbus.config")
 ENV_PREFIX = "AGENTBUS_"
 DEFAULT_DATABASE_URL = "sqlite:///ops_multiagent.db"
 DEFAULT_CONFIG_FILE = "agentbus.toml"
+BUDGET_MODES = ("off", "warn", "enforce")
 
 
 def _doc(text: str, default: Any) -> Any:
@@ -243,9 +244,7 @@ class Settings:
         self.backoff_steps()  # parses, or raises ConfigError
         if self.client_budget < 0:
             raise ConfigError("setting client_budget must not be negative")
-        from agentbus.admission.budget import check_mode
-
-        check_mode(self.budget_mode, self.client_budget)
+        check_budget_mode(self.budget_mode, self.client_budget)
         if self.max_attempts < 1:
             raise ConfigError(f"setting max_attempts must be at least 1, got {self.max_attempts}")
         if self.sqlite_busy_timeout_ms < 0:
@@ -280,6 +279,17 @@ class Settings:
         new = dataclasses.replace(self, **changes)
         new.validate()
         return new
+
+
+def check_budget_mode(mode: str, budget: int) -> None:
+    """``enforce`` without a positive budget would refuse everything: stop at start-up."""
+    if mode not in BUDGET_MODES:
+        raise ConfigError(f"budget mode must be one of {', '.join(BUDGET_MODES)}, got {mode!r}")
+    if mode == "enforce" and budget <= 0:
+        raise ConfigError(
+            "budget mode enforce needs a positive client budget "
+            "(--client-budget N or AGENTBUS_CLIENT_BUDGET)"
+        )
 
 
 POSITIVE = (

@@ -11,13 +11,14 @@ lost, serialization failure, server restarting).
 
 from __future__ import annotations
 
+import importlib.util
 import sqlite3
+import sys
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
-import psycopg
 import sqlalchemy as sa
 import tenacity
 from sqlalchemy.engine import URL, Connection, Engine
@@ -47,8 +48,11 @@ def parse_url(raw: str) -> URL:
             f"unsupported database {url.get_backend_name()!r}: use sqlite:///FILE "
             "or postgresql+psycopg://USER@HOST/DB"
         )
-    if url.get_backend_name() == "postgresql" and url.get_driver_name() != "psycopg":
-        raise BusError("use the psycopg 3 driver: postgresql+psycopg://USER@HOST/DB")
+    if url.get_backend_name() == "postgresql":
+        if url.get_driver_name() != "psycopg":
+            raise BusError("use the psycopg 3 driver: postgresql+psycopg://USER@HOST/DB")
+        if importlib.util.find_spec("psycopg") is None:
+            raise BusError("PostgreSQL needs the psycopg driver: pip install 'agentbus[postgres]'")
     return url
 
 
@@ -74,7 +78,8 @@ def is_transient(exc: BaseException) -> bool:
         if code is not None:
             return code & 0xFF in {_SQLITE_BUSY, _SQLITE_LOCKED}
         return "locked" in str(orig) or "busy" in str(orig)
-    return isinstance(orig, psycopg.OperationalError)
+    psycopg = sys.modules.get("psycopg")  # imported by the engine when the URL is PostgreSQL
+    return psycopg is not None and isinstance(orig, psycopg.OperationalError)
 
 
 class Database:
@@ -156,10 +161,12 @@ class Database:
             ) from None
 
     def current_revision(self) -> str | None:
-        from alembic.runtime.migration import MigrationContext
+        """The schema's Alembic revision (None: no agentbus schema), read without Alembic."""
 
         def work(conn: Connection) -> str | None:
-            return MigrationContext.configure(conn).get_current_revision()
+            if not sa.inspect(conn).has_table("alembic_version"):
+                return None
+            return conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
 
         return self.read(work)
 
@@ -172,7 +179,8 @@ class Database:
         if path is not None and not path.exists():
             raise NotMigrated(f"database file {path} does not exist: run `busctl migrate`")
         self.check_connection()
-        head = head_revision()
+        from agentbus.migrations import HEAD as head
+
         current = self.current_revision()
         if current != head:
             state = "has no agentbus schema" if current is None else f"is at {current}"

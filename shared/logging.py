@@ -1,17 +1,24 @@
 """structlog set-up: readable lines for people, JSON lines with --log-json.
 
-Logs go to stderr so that a command's stdout stays its answer.
+Logs go to stderr so that a command's stdout stays its answer. structlog is
+imported when a process configures logging or first logs, not when a module
+asks for its logger: a short command that never logs does not pay for it.
 """
 
 from __future__ import annotations
 
-import logging
 import sys
+from typing import TYPE_CHECKING, Any, cast
 
-import structlog
+if TYPE_CHECKING:
+    import structlog
 
 
 def configure(*, json: bool = False, level: str = "INFO") -> None:
+    import logging
+
+    import structlog
+
     processors: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -31,6 +38,17 @@ def configure(*, json: bool = False, level: str = "INFO") -> None:
     )
 
 
+class _LazyLogger:
+    """Stands for ``structlog.get_logger(name)`` until it is first used."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        import structlog
+
+        return getattr(structlog.get_logger(self._name), attr)
+
+
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
-    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(name)
-    return logger
+    return cast("structlog.typing.FilteringBoundLogger", _LazyLogger(name))

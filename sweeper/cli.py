@@ -6,13 +6,11 @@ import click
 
 from agentbus import cli
 from agentbus.config import ConfigWatcher, load_config
-from agentbus.db import Database
 from agentbus.logging import configure
-from agentbus.sweeper import jobs
-from agentbus.sweeper.service import SweeperService, run_once
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="agentbus")
 @cli.db_option
 @cli.config_option
 @click.option(
@@ -35,6 +33,10 @@ def sweeper(
     overrides = {"database_url": db_url, "sweep_interval_sec": interval_sec}
     config = load_config(config_file, overrides)
     configure(json=log_json, level=config.settings.log_level.upper())
+    from agentbus.db import Database
+    from agentbus.sweeper import jobs
+    from agentbus.sweeper.service import SweeperService, run_once
+
     db = Database.from_settings(config.settings)
     try:
         db.require_migrated()

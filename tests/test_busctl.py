@@ -290,3 +290,23 @@ def test_events_lists_workspace_and_task_events(db_url: str, run_busctl: Run) ->
         assert "model=sim/b" in follow.stdout.readline()  # shows up while following
         follow.terminate()
         assert follow.wait(10) == 0  # SIGTERM ends --follow cleanly
+
+
+def test_init_writes_the_commented_config_once(tmp_path: Path, run_busctl: Run) -> None:
+    made = run_busctl("init", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    written = (tmp_path / "agentbus.toml").read_text()
+    assert "[providers." in written and "database_url" in written
+    (tmp_path / "agentbus.toml").write_text("# mine\n")
+    again = run_busctl("init", cwd=tmp_path)
+    assert_one_line_error(again, contains="--force")
+    assert (tmp_path / "agentbus.toml").read_text() == "# mine\n"
+    forced = run_busctl("init", "--force", str(tmp_path / "agentbus.toml"))
+    assert forced.returncode == 0 and (tmp_path / "agentbus.toml").read_text() == written
+
+
+def test_kpi_sql_is_printed_without_a_database(tmp_path: Path, run_busctl: Run) -> None:
+    out = run_busctl("--db", f"sqlite:///{tmp_path / 'none.db'}", "kpi", "--sql")
+    assert out.returncode == 0, out.stderr
+    assert "kpi_summary" in out.stdout
+    assert not (tmp_path / "none.db").exists()

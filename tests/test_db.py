@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import sys
 import threading
 from pathlib import Path
 
@@ -84,6 +85,15 @@ def test_urls() -> None:
         parse_url("postgresql+psycopg2://u@h/d")
     with pytest.raises(BusError, match="invalid database URL"):
         parse_url("::")
+
+
+def test_a_postgres_url_without_psycopg_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # as if the extra were not installed
+    with pytest.raises(BusError, match=r"pip install 'agentbus\[postgres\]'"):
+        parse_url("postgresql+psycopg://u@h/d")
+    assert parse_url("sqlite:///x.db").get_backend_name() == "sqlite"
 
 
 def test_sqlite_runs_in_wal_mode(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from alembic.runtime.migration import MigrationContext
 
 from agentbus.db import Database, downgrade, head_revision, migrate
 from agentbus.errors import NotMigrated
+from agentbus.migrations import HEAD
 from agentbus.queue import TaskQueue
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import metadata
@@ -57,7 +58,7 @@ def schema_diff(db: Database) -> list[object]:
 def test_upgrade_builds_exactly_the_models(empty_db_url: str) -> None:
     db = Database(empty_db_url)
     migrate(db)
-    assert db.current_revision() == head_revision()
+    assert db.current_revision() == head_revision() == HEAD
     assert schema_diff(db) == []
     db.dispose()
 

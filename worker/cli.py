@@ -9,15 +9,14 @@ import click
 from agentbus import cli
 from agentbus.catalog import NAME_RE
 from agentbus.config import load_config
-from agentbus.db import Database
 from agentbus.errors import ConfigError
 from agentbus.logging import configure, get_logger
-from agentbus.worker.loop import Options, Worker
 
 log = get_logger("agentbus.worker")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="agentbus")
 @click.option("--agent", required=True, help="The agent whose tasks this process runs.")
 @cli.db_option
 @cli.config_option
@@ -96,6 +95,9 @@ def worker(
                     variable=account.key_env,
                     effect="its candidates are skipped",
                 )
+    from agentbus.db import Database
+    from agentbus.worker.loop import Options, Worker
+
     settings = config.settings
     db = Database.from_settings(settings)
     try:

@@ -7,21 +7,23 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from agentbus import cli
-from agentbus.admin import demo, kpi, serve, status
-from agentbus.admission import journal
-from agentbus.admission.cooldowns import CooldownStore
 from agentbus.config import Settings
-from agentbus.db import Database, migrate, redact
 from agentbus.errors import BusError
-from agentbus.logging import configure
-from agentbus.queue import TaskQueue, reads
 from agentbus.queue.states import TaskStatus
-from agentbus.queue.tasks import TaskSpec, parse_models, parse_payload
+
+if TYPE_CHECKING:
+    from agentbus.db import Database
+    from agentbus.queue import TaskQueue
+
+# Each command imports what it uses (SQLAlchemy, the queue, prometheus-client…)
+# when it runs, so that `busctl --help` and `busctl enqueue` start quickly.
 
 
 @dataclass
@@ -30,6 +32,8 @@ class Context:
     _db: Database | None = field(default=None, init=False)
 
     def database(self, *, migrated: bool = True) -> Database:
+        from agentbus.db import Database
+
         if self._db is None:
             self._db = Database.from_settings(self.settings)
             if migrated:
@@ -39,6 +43,8 @@ class Context:
         return self._db
 
     def queue(self) -> TaskQueue:
+        from agentbus.queue import TaskQueue
+
         return TaskQueue(self.database(), max_attempts=self.settings.max_attempts)
 
 
@@ -61,6 +67,8 @@ def busctl(ctx: click.Context, db_url: str | None, config_file: str | None) -> N
 @pass_ctx
 def migrate_cmd(c: Context) -> None:
     """Create or upgrade the schema (adopts an older bus_commands table in place)."""
+    from agentbus.db import migrate, redact
+
     db = c.database(migrated=False)
     before = db.current_revision()
     migrate(db)
@@ -95,6 +103,8 @@ def enqueue_cmd(
     text: str,
 ) -> None:
     """Put a task on the queue and print its id."""
+    from agentbus.queue.tasks import TaskSpec, parse_models, parse_payload
+
     if models is not None and role is not None:
         raise click.UsageError("give --models or --role, not both")
     spec = TaskSpec(
@@ -121,6 +131,8 @@ def enqueue_cmd(
 @pass_ctx
 def status_cmd(c: Context, as_json: bool) -> None:
     """Task counts by status and agent, today's usage, circuits and the client budget."""
+    from agentbus.admin import status
+
     doc = status.snapshot(c.database(), c.settings)
     if as_json:
         click.echo(json.dumps(doc, indent=2, default=str))
@@ -176,6 +188,8 @@ def status_cmd(c: Context, as_json: bool) -> None:
 @pass_ctx
 def events_cmd(c: Context, kinds: tuple[str, ...], limit: int, follow: bool) -> None:
     """Workspace events: budget warnings, refused batches, circuits, cooldowns, pauses."""
+    from agentbus.admission import journal
+
     db = c.database()
     since: float | None = None
     stop = threading.Event()
@@ -198,6 +212,9 @@ def serve_cmd(
     c: Context, host: str, port: int, client_budget: int | None, budget_mode: str | None
 ) -> None:
     """Serve the status document, Prometheus metrics and a dashboard page (read-only)."""
+    from agentbus.admin import serve, status
+    from agentbus.logging import configure
+
     changes = {"client_budget": client_budget, "budget_mode": budget_mode}
     settings = c.settings.replace(**{k: v for k, v in changes.items() if v is not None})
     configure(level=settings.log_level.upper())
@@ -224,6 +241,8 @@ def serve_cmd(
 @pass_ctx
 def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
     """One task: its row and its events."""
+    from agentbus.queue import reads
+
     db = c.database()
     task = reads.get_task(db, task_id)
     events = reads.task_events(db, task_id)
@@ -267,6 +286,8 @@ def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
 @pass_ctx
 def tasks_cmd(c: Context, status: str | None, agent: str | None, limit: int, as_json: bool) -> None:
     """The newest tasks, optionally filtered."""
+    from agentbus.queue import reads
+
     tasks = reads.list_tasks(c.database(), status=status, agent=agent, limit=limit)
     if as_json:
         click.echo(json.dumps([t.as_dict() for t in tasks], indent=2))
@@ -305,6 +326,8 @@ def retry_cmd(c: Context, task_id: int) -> None:
 @pass_ctx
 def cooldowns_cmd(c: Context, as_json: bool) -> None:
     """Models cooling down now: until when, why, and who set it."""
+    from agentbus.admission.cooldowns import CooldownStore
+
     now = time.time()
     rows = CooldownStore(c.database(), cache_sec=1e-9).details()
     if as_json:
@@ -336,6 +359,8 @@ def cooldowns_cmd(c: Context, as_json: bool) -> None:
 @pass_ctx
 def routes_cmd(c: Context, limit: int, task_id: int | None, as_json: bool) -> None:
     """Routing history: every candidate a worker considered, and what came of it."""
+    from agentbus.queue import reads
+
     rows = reads.routes(c.database(), limit=limit, task_id=task_id)
     if as_json:
         click.echo(json.dumps(rows, indent=2, default=str))
@@ -368,9 +393,26 @@ def routes_cmd(c: Context, limit: int, task_id: int | None, as_json: bool) -> No
 @busctl.command("kpi")
 @click.option("--since", metavar="DURATION", help="Only the last DURATION (90s, 15m, 2h, 7d).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@pass_ctx
-def kpi_cmd(c: Context, since: str | None, as_json: bool) -> None:
-    """The four KPIs of the cooldown design, with their targets and counts."""
+@click.option(
+    "--sql",
+    "as_sql",
+    is_flag=True,
+    help="Print the KPI queries as plain SQL (for sqlite3 or psql) and exit.",
+)
+@click.pass_context
+def kpi_cmd(ctx: click.Context, since: str | None, as_json: bool, as_sql: bool) -> None:
+    """The four KPIs of the cooldown design, with their targets and counts.
+
+    \b
+    busctl kpi --sql | sqlite3 ops_multiagent.db
+    busctl kpi --sql | psql "$DATABASE"
+    """
+    if as_sql:
+        click.echo(_shipped("kpi.sql"), nl=False)
+        return
+    c = ctx.ensure_object(Context)
+    from agentbus.admin import kpi
+
     start = time.time() - kpi.parse_duration(since) if since else None
     kpis = kpi.compute(c.database(), start)
     if as_json:
@@ -388,6 +430,8 @@ def demo_cmd(ctx: click.Context, quick: bool, tasks: int | None) -> int:
 
     Uses a fresh SQLite file in a temporary folder unless --db is given.
     """
+    from agentbus.admin import demo
+
     workdir = demo.new_workdir()
     explicit = ctx.find_root().params.get("db_url")
     url = explicit or demo.default_url(workdir)
@@ -395,6 +439,27 @@ def demo_cmd(ctx: click.Context, quick: bool, tasks: int | None) -> int:
     if tasks is not None:
         plan = dataclasses.replace(plan, tasks=tasks)
     return demo.Demo(url, plan, click.echo, workdir).run()
+
+
+@busctl.command("init")
+@click.argument("path", default="agentbus.toml", type=click.Path(dir_okay=False))
+@click.option("--force", is_flag=True, help="Overwrite the file if it exists.")
+def init_cmd(path: str, force: bool) -> None:
+    """Write a commented config file (every setting and table, with examples) to PATH."""
+    target = Path(path)
+    if target.exists() and not force:
+        raise BusError(f"{target} exists: pass --force to overwrite it")
+    try:
+        target.write_text(_shipped("agentbus.example.toml"))
+    except OSError as exc:
+        raise BusError(f"cannot write {target}: {exc.strerror}") from None
+    click.echo(f"wrote {target}: edit it, then run worker --config {target} (or keep the name")
+    click.echo("agentbus.toml in the working directory, where every command finds it)")
+
+
+def _shipped(name: str) -> str:
+    """A text file shipped in the package beside this module."""
+    return resources.files("agentbus.admin").joinpath(name).read_text(encoding="utf-8")
 
 
 def _excerpt(text: str | None, width: int = 48) -> str:

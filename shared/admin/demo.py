@@ -202,7 +202,7 @@ class Demo:
             f"  {busctl} --db {self.url} routes --task 1\n"
             f"  {busctl} --db {self.url} kpi\n"
             f"  {busctl} --db {self.url} serve     # then open http://127.0.0.1:8765/\n"
-            + (f"  sqlite3 {path} < scripts/kpi.sql\n" if self.url.startswith("sqlite") else "")
+            + (f"  {busctl} kpi --sql | sqlite3 {path}\n" if self.url.startswith("sqlite") else "")
         )
         ok = finished and done == total and kpis[0].passed is not False and kpis[3].passed
         return 0 if ok else 1

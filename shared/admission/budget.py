@@ -27,14 +27,13 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from agentbus.admission import journal
+from agentbus.config import check_budget_mode
 from agentbus.db import Database
-from agentbus.errors import ConfigError
 from agentbus.schema import budget_slots as slots
 from agentbus.schema import budget_state as state
 
 WARN_FRACTION = 0.75
 REARM_FRACTION = 0.375
-MODES = ("off", "warn", "enforce")
 ADVISORY_KEY = 0x627564676574  # "budget"
 
 
@@ -42,17 +41,6 @@ class Reserve(enum.StrEnum):
     RESERVED = "reserved"
     ALREADY_HELD = "already_held"
     REFUSED = "refused"
-
-
-def check_mode(mode: str, budget: int) -> None:
-    """``enforce`` without a positive budget would refuse everything: stop at start-up."""
-    if mode not in MODES:
-        raise ConfigError(f"budget mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == "enforce" and budget <= 0:
-        raise ConfigError(
-            "budget mode enforce needs a positive client budget "
-            "(--client-budget N or AGENTBUS_CLIENT_BUDGET)"
-        )
 
 
 class _Budget:
@@ -70,7 +58,7 @@ class _Budget:
         holder: str,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        check_mode(mode, budget)
+        check_budget_mode(mode, budget)
         self.db, self.mode, self.budget, self.holder, self.clock = db, mode, budget, holder, clock
         self.depth = 0
         self.pending: list[str] = []
