@@ -64,7 +64,8 @@ from agentbus.config import Config, Settings, load_config
 from agentbus.db import Database, migrate
 from agentbus.logging import configure
 from agentbus.providers.outcomes import Succeeded
-from agentbus.queue import Completion, TaskQueue, reads
+from agentbus.queue import Settlement, TaskQueue, reads
+from agentbus.queue.decisions import Complete
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import bus_commands
 from agentbus.sweeper import jobs
@@ -121,7 +122,9 @@ def drain(url: str, synchronous: str, agent: str, batch: int, ready: Event, go: 
         if batch == 1:
             queue.complete(tasks[0].id, tasks[0].claim_token, None, worker=worker)
         else:  # acknowledge the batch in one transaction
-            queue.complete_many([Completion(t.id, t.claim_token) for t in tasks], worker=worker)
+            queue.settle_many(
+                [Settlement(t.id, t.claim_token, Complete(None)) for t in tasks], worker=worker
+            )
         done += len(tasks)
     db.dispose()
     return done

@@ -9,13 +9,9 @@ running at once harmless. Rescue runs before stale worker rows are pruned.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
-
-import sqlalchemy as sa
-from sqlalchemy.engine import Connection
 
 from agentbus.admission.admission import Admission
 from agentbus.admission.cooldowns import CooldownStore
@@ -28,9 +24,9 @@ from agentbus.errors import ConfigError
 from agentbus.logging import get_logger
 from agentbus.queue import TaskQueue, retention
 from agentbus.queue import workers as worker_rows
-from agentbus.schema import bus_commands as t
+from agentbus.queue.decisions import ALL_REFUSED
+from agentbus.queue.sweeps import DuePause
 from agentbus.sweeper.policy import DueTask, plan_resume
-from agentbus.worker.policy import ALL_REFUSED
 
 log = get_logger("agentbus.sweeper")
 MAX_ROUNDS = 1000  # batches per pass: a bound, far above what one pass meets
@@ -88,22 +84,7 @@ def resume(s: Sweep) -> dict[str, int]:
     blocked: dict[tuple[str, str], float] = {}
     room: dict[tuple[str, str], int] = {}
     for _ in range(MAX_ROUNDS):
-        due_query = (
-            sa.select(
-                t.c.id,
-                t.c.agent,
-                t.c.models,
-                t.c.role,
-                t.c.resume_after,
-                t.c.paused_at,
-                t.c.pause_model,
-                t.c.reentry_count,
-            )
-            .where(t.c.status == "paused", t.c.resume_after <= s.clock())
-            .order_by(t.c.resume_after)
-            .limit(batch)
-        )
-        rows = s.db.read(_rows(due_query))
+        rows = s.queue.due_pauses(batch)
         if not rows:
             break
         due = []
@@ -163,24 +144,17 @@ def resume(s: Sweep) -> dict[str, int]:
     return counts
 
 
-def _candidates(s: Sweep, row: sa.Row[tuple[object, ...]]) -> tuple[Candidate, ...] | None:
-    models = row.models if isinstance(row.models, list) else None
+def _candidates(s: Sweep, task: DuePause) -> tuple[Candidate, ...] | None:
     try:
-        return s.admission.resolve(
-            models=tuple(models) if models else None, role=row.role, agent=row.agent
-        ).candidates
+        resolved = s.admission.resolve(models=task.models, role=task.role, agent=task.agent)
     except ConfigError:
         return None
+    return resolved.candidates
 
 
 def next_wake(s: Sweep) -> float | None:
-    """The earliest pending resume_after (an index lookup), or None when nothing is paused."""
-    value = s.db.read(
-        lambda conn: conn.execute(
-            sa.select(sa.func.min(t.c.resume_after)).where(t.c.status == "paused")
-        ).scalar()
-    )
-    return float(value) if value is not None else None
+    """The earliest pending resume_after, or None when nothing is paused."""
+    return s.queue.next_resume_at()
 
 
 def purge(s: Sweep) -> dict[str, int]:
@@ -194,20 +168,15 @@ def demote(s: Sweep) -> dict[str, int]:
     total = 0
     for _ in range(MAX_ROUNDS):
         cutoff = s.clock() - s.settings.demote_after_sec
-        old_pauses = (
-            sa.select(t.c.id, t.c.agent, t.c.first_paused_at)
-            .where(t.c.status == "paused", t.c.first_paused_at <= cutoff)
-            .limit(s.settings.sweep_batch)
-        )
-        rows = s.db.read(_rows(old_pauses))
-        if not rows:
+        old_pauses = s.queue.long_pauses(cutoff, s.settings.sweep_batch)
+        if not old_pauses:
             break
         why = f"paused for more than {hours:g} h with no usable model"
-        moved = s.queue.demote({r.id: r.agent for r in rows}, why)
+        moved = s.queue.demote(old_pauses, why)
         for task_id in moved:
             log.warning("task_demoted", task_id=task_id, why=why)
         total += len(moved)
-        if len(rows) < s.settings.sweep_batch:
+        if len(old_pauses) < s.settings.sweep_batch:
             break
     return {"demoted": total}
 
@@ -247,10 +216,6 @@ def prune(s: Sweep) -> dict[str, int]:
 #: The order of a full pass: rescue before pruning workers (inside ``rescue``),
 #: resume before demote (a task due now is resumed, not failed).
 ALL = (rescue, resume, demote, purge, prune)
-
-
-def _rows(query: sa.Select[Any]) -> Callable[[Connection], Sequence[sa.Row[Any]]]:
-    return lambda conn: conn.execute(query).all()
 
 
 def _iso(epoch: float) -> str:

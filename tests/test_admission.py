@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
+from agentbus.admission import usage
 from agentbus.admission.admission import Admissible, Admission, Permit
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import Code, Refusal
-from agentbus.admission.routing import Candidate
+from agentbus.admission.routing import Candidate, Route
 from agentbus.config import Config, load_config
 from agentbus.db import Database
 from agentbus.providers.outcomes import Failed, RateLimited, Succeeded
-from agentbus.queue import events
+from agentbus.schema import model_cooldown
 from tests.support import FakeClock
 
 CONFIG = """
@@ -172,9 +175,11 @@ def test_daily_budget_refuses_until_the_utc_day_ends(
     adm = admission(db, clock, config(tmp_path, tokens=100))
     a = candidate(adm)
     assert isinstance(admit(adm, a), Permit)  # in flight: may cross the threshold
-    route = {"decision": "call", "provider": "sim", "model": "sim/a", "account": "a"}
-    settled = {**route, "at": clock.now, "worker": "w1", "prompt_tokens": 90, "cost": 0.5}
-    db.write(lambda conn: events.usage.record(conn, [{**settled, "completion_tokens": 15}]))
+    settled = Route(
+        1, 1, "codex", "sim/a", "call", clock.now, worker="w1", provider="sim", account="a"
+    )
+    settled = dataclasses.replace(settled, prompt_tokens=90, completion_tokens=15, cost=0.5)
+    db.write(lambda conn: usage.record(conn, [settled]))
     refusal = admit(adm, a)
     assert isinstance(refusal, Refusal) and refusal.code is Code.BUDGET_EXHAUSTED
     assert refusal.retry_after == (clock.now // 86400 + 1) * 86400
@@ -244,8 +249,11 @@ def test_circuit_opens_on_the_failure_share_of_its_window(
     assert isinstance(admit(adm2, edge), Permit)  # an edited endpoint starts afresh
     for _ in range(5):
         permit = admit(adm2, edge)
-        assert isinstance(permit, Permit)
-        adm2.finish(permit, RateLimited("429"))
+        assert isinstance(permit, Permit)  # the circuit is still closed
+        cooled = adm2.finish(permit, RateLimited("429"))
+        assert cooled is not None and cooled.key == "edge-1"  # the 429 cools the model down
+        db.write(lambda conn: conn.execute(sa.delete(model_cooldown)))  # (not what we test)
+        adm2.cooldowns.refresh()
 
 
 def test_a_refused_credential_leaves_the_account_out_until_it_changes(

@@ -8,11 +8,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
 from agentbus.admission.cooldowns import CooldownStore
+from agentbus.admission.routing import Route
 from agentbus.db import Database
 from agentbus.queue import TaskQueue
 from agentbus.queue.tasks import TaskSpec
@@ -196,7 +198,7 @@ def test_cooldowns_lists_the_active_ones(db_url: str, run_busctl: Run) -> None:
     assert "sim/live" in run_busctl("--db", db_url, "cooldowns").stdout
 
 
-def route_row(task_id: int, token: int, **values: object) -> dict[str, object]:
+def route_row(task_id: int, token: int, **values: Any) -> Route:
     row: dict[str, object] = {
         "task_id": task_id,
         "claim_token": token,
@@ -218,7 +220,7 @@ def route_row(task_id: int, token: int, **values: object) -> dict[str, object]:
         "completion_tokens": 12,
         "cost": 0.25,
     }
-    return {**row, **values}
+    return Route(**{**row, **values})  # type: ignore[arg-type]
 
 
 def test_routes_and_usage_are_shown(db_url: str, run_busctl: Run) -> None:

@@ -177,7 +177,6 @@ def test_fuzzed_task_rows_never_crash_the_worker(
         admission=Admission(
             db, Config(quick, Catalog(), None), worker="fuzz", cooldowns=cooldowns, environ={}
         ),
-        cooldowns=cooldowns,
         providers=Providers(Catalog(), {}),
         worker_id="fuzz",
     )

@@ -11,6 +11,7 @@ import sqlalchemy as sa
 
 from agentbus.admin import kpi
 from agentbus.admission.cooldowns import CooldownStore
+from agentbus.admission.routing import Route
 from agentbus.db import Database
 from agentbus.queue import TaskQueue
 from agentbus.queue.tasks import TaskSpec
@@ -20,18 +21,8 @@ from tests.support import FakeClock
 
 def route(
     task_id: int, token: int, model: str, decision: str, outcome: str | None, at: float
-) -> dict[str, object]:
-    return {
-        "task_id": task_id,
-        "claim_token": token,
-        "agent": "codex",
-        "worker": "w",
-        "model": model,
-        "decision": decision,
-        "outcome": outcome,
-        "cooldown_until": None,
-        "at": at,
-    }
+) -> Route:
+    return Route(task_id, token, "codex", model, decision, at, worker="w", outcome=outcome)
 
 
 def claim_one(queue: TaskQueue, agent: str = "codex") -> tuple[int, int]:

@@ -5,19 +5,21 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agentbus.admission.gates import cooldown_until
 from agentbus.config import Settings
 from agentbus.providers.outcomes import Failed, RateLimited, TimedOut
 from agentbus.worker import policy
 
 S = Settings()
+COOLDOWNS = (S.model_cooldown_sec, S.model_timeout_cooldown_sec)
 STEPS = S.backoff_steps()
 
 
 def test_cooldown_lengths_and_retry_after() -> None:
-    assert policy.cooldown_until(RateLimited("429"), 100.0, S) == 280.0
-    assert policy.cooldown_until(RateLimited("429", retry_after_sec=30), 100.0, S) == 280.0
-    assert policy.cooldown_until(RateLimited("429", retry_after_sec=600), 100.0, S) == 700.0
-    assert policy.cooldown_until(TimedOut("slow"), 100.0, S) == 1900.0
+    assert cooldown_until(RateLimited("429"), 100.0, *COOLDOWNS) == 280.0
+    assert cooldown_until(RateLimited("429", retry_after_sec=30), 100.0, *COOLDOWNS) == 280.0
+    assert cooldown_until(RateLimited("429", retry_after_sec=600), 100.0, *COOLDOWNS) == 700.0
+    assert cooldown_until(TimedOut("slow"), 100.0, *COOLDOWNS) == 1900.0
 
 
 def test_failures_spend_attempts_with_growing_delay() -> None:
@@ -53,6 +55,6 @@ def test_backoff_never_shrinks_as_failures_grow(a: int, b: int) -> None:
 
 @given(st.floats(0, 1e6), st.one_of(st.none(), st.floats(0, 1e5)))
 def test_a_cooldown_is_never_shorter_than_asked(now: float, retry_after: float | None) -> None:
-    until = policy.cooldown_until(RateLimited("x", retry_after_sec=retry_after), now, S)
+    until = cooldown_until(RateLimited("x", retry_after_sec=retry_after), now, *COOLDOWNS)
     assert until >= now + S.model_cooldown_sec
     assert until >= now + (retry_after or 0)

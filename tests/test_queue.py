@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from agentbus.errors import TaskNotFound, TransitionRejected
-from agentbus.queue import Completion, TaskQueue, reads
+from agentbus.queue import Settlement, TaskQueue, reads
+from agentbus.queue.decisions import Complete
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
 from tests.support import FakeClock
@@ -200,7 +201,7 @@ def test_counts_and_listing(queue: TaskQueue) -> None:
     assert len(reads.list_tasks(queue.db, limit=2)) == 2
 
 
-def test_complete_many_reports_superseded_claims(queue: TaskQueue) -> None:
+def test_settle_many_reports_superseded_claims(queue: TaskQueue) -> None:
     queue.enqueue_many([spec(text=str(i)) for i in range(4)])
     tasks = queue.claim("codex", "w1", 30, limit=4)
     stale = tasks[0]
@@ -208,10 +209,13 @@ def test_complete_many_reports_superseded_claims(queue: TaskQueue) -> None:
     (reclaimed,) = queue.claim("codex", "w2", 30)
     assert reclaimed.id == stale.id
     items = [
-        Completion(t.id, t.claim_token, f"answer {t.id}", note="batch", detail={"n": t.id})
+        Settlement(t.id, t.claim_token, Complete(f"answer {t.id}", "sim/a"), detail={"n": t.id})
         for t in tasks
     ]
-    assert queue.complete_many(items, worker="w1") == [stale.id]
+    lost = queue.settle_many(items, worker="w1")
+    assert [(r.task_id, r.actual) for r in lost] == [
+        (stale.id, f"claimed under token {reclaimed.claim_token}")
+    ]
     for task in tasks[1:]:
         done = queue.get(task.id)
         assert (done.status, done.result, done.attempts) == (
@@ -219,11 +223,15 @@ def test_complete_many_reports_superseded_claims(queue: TaskQueue) -> None:
             f"answer {task.id}",
             1,
         )
-        assert done.result_note == "batch"
+        assert done.result_note == "model=sim/a"
         last = reads.task_events(queue.db, task.id)[-1]
-        assert (last["worker"], last["detail"]) == ("w1", {"n": task.id})
+        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        assert (last["worker"], last["detail"]) == (
+            "w1",
+            {"model": "sim/a", "usage": usage, "n": task.id},
+        )
     assert queue.get(stale.id).status is TaskStatus.CLAIMED
-    assert queue.complete_many([]) == []
+    assert queue.settle_many([]) == []
 
 
 def test_reentry_counts_repeat_pauses_on_the_same_model(queue: TaskQueue, clock: FakeClock) -> None:

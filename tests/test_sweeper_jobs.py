@@ -6,6 +6,7 @@ import pytest
 import sqlalchemy as sa
 from structlog.testing import capture_logs
 
+from agentbus.admission.routing import Route
 from agentbus.catalog import Catalog
 from agentbus.config import Settings
 from agentbus.db import Database
@@ -243,9 +244,10 @@ def test_old_routing_history_and_spent_call_slots_are_purged(
     )
     task = s.queue.enqueue(TaskSpec(agent="a", command="x", models=("sim/a",)))
     (claimed,) = s.queue.claim("a", "w", 30)
-    route = {"task_id": task.id, "claim_token": claimed.claim_token, "agent": "a"}
-    route |= {"worker": "w", "model": "sim/a", "decision": "call", "outcome": "ok"}
-    s.queue.complete(claimed.id, claimed.claim_token, routes=[{**route, "at": clock.now}])
+    route = Route(
+        task.id, claimed.claim_token, "a", "sim/a", "call", clock.now, worker="w", outcome="ok"
+    )
+    s.queue.complete(claimed.id, claimed.claim_token, routes=[route])
     slot = {"provider": "sim", "model": "sim/a", "agent": "a", "admitted_at": clock.now}
     db.write(
         lambda conn: conn.execute(

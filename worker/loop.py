@@ -25,7 +25,8 @@ from agentbus.db import Database
 from agentbus.errors import TransitionRejected
 from agentbus.logging import get_logger
 from agentbus.providers import Providers
-from agentbus.queue import Completion, TaskQueue
+from agentbus.queue import TaskQueue
+from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
 from agentbus.queue.tasks import Task
 from agentbus.queue.workers import WorkerRegistry, new_worker_id
 from agentbus.worker import policy
@@ -67,28 +68,24 @@ class Worker:
             slow_read_ms=settings.cooldown_slow_read_ms,
             slow_cache_sec=settings.cooldown_slow_cache_sec,
         )
-        self.admission = Admission(
-            db,
-            config,
-            worker=self.id,
-            cooldowns=cooldowns,
-            environ=os.environ,
-            cache_sec=settings.cooldown_cache_sec,
-        )
-        self.budget = client_budget(
+        budget = client_budget(
             db,
             mode=settings.budget_mode,
             budget=settings.client_budget,
             holder=self.id,
             per_process=settings.no_workspace_budget,
         )
-        self.runner = Runner(
-            settings=settings,
-            admission=self.admission,
-            providers=self.providers,
-            worker_id=self.id,
+        self.admission = Admission(
+            db,
+            config,
+            worker=self.id,
             cooldowns=cooldowns,
-            budget=self.budget if settings.budget_mode != "off" else None,
+            environ=os.environ,
+            budget=budget,
+            cache_sec=settings.cooldown_cache_sec,
+        )
+        self.runner = Runner(
+            settings=settings, admission=self.admission, providers=self.providers, worker_id=self.id
         )
         self.watcher = ConfigWatcher(config, reload) if reload is not None else None
         self.stopping = threading.Event()
@@ -97,7 +94,7 @@ class Worker:
         self._lock = threading.Lock()  # guards _held and _running (the watchdog reads them)
         self._running: Task | None = None  # the task whose call the main thread is in
         self._held: list[Task] = []  # claimed by us and not yet settled in the database
-        self._acks: list[Completion] = []  # done, to acknowledge with the batch
+        self._acks: list[Settlement] = []  # done, to acknowledge with the batch
 
     def request_stop(self, reason: str = "signal") -> None:
         if not self.stopping.is_set():
@@ -225,103 +222,57 @@ class Worker:
 
     def _release(self, task: Task) -> None:
         self._forget(task)
-        try:
-            self.queue.release(task.id, task.claim_token, "shutdown", worker=self.id)
+        if self._settle_now(task, Settlement(task.id, task.claim_token, Release("shutdown"))):
             self.log.info("task_released", task_id=task.id, reason="shutdown")
-        except TransitionRejected as exc:
-            self.log.warning("claim_lost", task_id=task.id, detail=exc.message)
         self.registry.current_task = None
 
     def _settle(self, task: Task, run: Run) -> None:
+        """Hand the queue the run's decision; a batch's completions wait for the batch."""
         d = run.decision
-        q, tid, tok, me = self.queue, task.id, task.claim_token, self.id
-        if not isinstance(d, policy.Complete):
-            self._forget(task)
-        try:
-            match d:
-                case policy.Complete():
-                    usage = {
-                        "prompt_tokens": d.usage.prompt_tokens,
-                        "completion_tokens": d.usage.completion_tokens,
-                    }
-                    ack = Completion(
-                        tid,
-                        tok,
-                        d.result,
-                        note=f"model={d.model}",
-                        detail={"model": d.model, "usage": usage, **run.detail()},
-                        routes=run.routes,
-                    )
-                    if self.options.batch > 1:
-                        self._acks.append(ack)  # acknowledged with the batch
-                        return
-                    self._forget(task)
-                    q.complete(
-                        tid,
-                        tok,
-                        ack.result,
-                        worker=me,
-                        note=ack.note,
-                        detail=ack.detail,
-                        routes=ack.routes,
-                    )
-                    self.log.info("task_done", task_id=tid, model=d.model, calls=run.calls)
-                case policy.Pause():
-                    q.pause(
-                        tid,
-                        tok,
-                        d.resume_after,
-                        d.reason,
-                        model=d.model,
-                        worker=me,
-                        detail={"cooling": dict(d.cooling), **run.detail()},
-                        routes=run.routes,
-                        cooldown=d.reason == policy.ALL_COOLING,
-                    )
-                    self.log.info(
-                        "task_paused",
-                        task_id=tid,
-                        model=d.model,
-                        resume_in=round(d.resume_after - time.time(), 1),
-                    )
-                case policy.Requeue():
-                    q.requeue(tid, tok, d.run_after, d.error, worker=me, routes=run.routes)
-                    self.log.info(
-                        "task_retry",
-                        task_id=tid,
-                        error=d.error,
-                        run_in=round(d.run_after - time.time(), 1),
-                    )
-                case policy.Fail():
-                    q.fail(tid, tok, d.reason, worker=me, routes=run.routes)
-                    self.log.warning("task_failed", task_id=tid, reason=d.reason)
-        except TransitionRejected as exc:
-            # Our lease ran out and the task went to someone else: our work is void.
-            self.log.warning("claim_lost", task_id=tid, detail=exc.message)
+        item = run.settlement(task)
+        if isinstance(d, Complete) and self.options.batch > 1:
+            self._acks.append(item)  # acknowledged with the batch (the lease stays renewed)
             return
-        if isinstance(d, policy.Complete):
-            self._record(failed=False)
-        elif isinstance(d, (policy.Requeue, policy.Fail)):
-            self._record(failed=True, why=getattr(d, "reason", getattr(d, "error", "")))
+        self._forget(task)
+        if not self._settle_now(task, item):
+            return
+        match d:
+            case Complete():
+                self.log.info("task_done", task_id=task.id, model=d.model, calls=run.calls)
+                self._record(failed=False)
+            case Pause():
+                resume_in = round(d.resume_after - time.time(), 1)
+                self.log.info("task_paused", task_id=task.id, model=d.model, resume_in=resume_in)
+            case Requeue():
+                run_in = round(d.run_after - time.time(), 1)
+                self.log.info("task_retry", task_id=task.id, error=d.error, run_in=run_in)
+                self._record(failed=True, why=d.error)
+            case Fail():
+                self.log.warning("task_failed", task_id=task.id, reason=d.reason)
+                self._record(failed=True, why=d.reason)
+
+    def _settle_now(self, task: Task, item: Settlement) -> bool:
+        """Settle one claim; False (and a log line) when the claim was lost meanwhile."""
+        return not self._lost(self.queue.settle_many([item], worker=self.id))
+
+    def _lost(self, lost: list[TransitionRejected]) -> set[int]:
+        """Log each lost claim (our lease ran out and the task went to someone else: our
+        work on it is void); returns their task ids."""
+        for rejected in lost:
+            self.log.warning("claim_lost", task_id=rejected.task_id, detail=rejected.message)
+        return {rejected.task_id for rejected in lost}
 
     def _flush_acks(self) -> None:
         """Acknowledge the batch's completed tasks in one transaction."""
         if not self._acks:
             return
         acks, self._acks = self._acks, []
-        lost = set(self.queue.complete_many(acks, worker=self.id))
+        lost = self._lost(self.queue.settle_many(acks, worker=self.id))
         for ack in acks:
             self._forget_id(ack.task_id)
-            if ack.task_id in lost:
-                self.log.warning(
-                    "claim_lost",
-                    task_id=ack.task_id,
-                    detail="the claim was superseded before the batch was acknowledged",
-                )
         done = [ack.task_id for ack in acks if ack.task_id not in lost]
         if done:  # one line per batch: short tasks at full speed must not flood the log
             self.log.info("batch_done", tasks=len(done), task_ids=done)
-        if len(lost) < len(acks):
             self._record(failed=False)
 
     def _forget(self, task: Task) -> None:
@@ -334,13 +285,9 @@ class Worker:
     def _settle_error(self, task: Task, exc: object) -> None:
         self._forget(task)
         message = f"{type(exc).__name__}: {exc}"
-        try:
-            self.queue.error(task.id, task.claim_token, message, worker=self.id)
+        if self._settle_now(task, Settlement(task.id, task.claim_token, Crash(message))):
             self.log.error("task_error", task_id=task.id, error=message)
-        except TransitionRejected as rejected:
-            self.log.warning("claim_lost", task_id=task.id, detail=rejected.message)
-            return
-        self._record(failed=True, why=message)
+            self._record(failed=True, why=message)
 
     # -- failures and backoff ------------------------------------------------
 

@@ -7,68 +7,22 @@ task's state, and carries out the decision through ``agentbus.queue``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 from agentbus.config import Settings
-from agentbus.providers.outcomes import Failed, RateLimited, TimedOut, Usage
+from agentbus.providers.outcomes import Failed
+from agentbus.queue.decisions import ALL_COOLING, ALL_REFUSED, Complete, Fail, Pause, Requeue
 
-ALL_COOLING = "all candidate models are cooling down"
-ALL_REFUSED = "no candidate is admitted now"
-
-
-@dataclass(frozen=True)
-class Complete:
-    result: str
-    model: str
-    usage: Usage = field(default_factory=Usage)
-
-
-@dataclass(frozen=True)
-class Pause:
-    """Every candidate is temporarily unusable: not a failure, no attempt spent."""
-
-    resume_after: float
-    model: str  # the candidate that becomes usable first
-    reason: str
-    cooling: Mapping[str, float]
-
-
-@dataclass(frozen=True)
-class Requeue:
-    """A retryable failure: the attempt is spent; try again at ``run_after``."""
-
-    run_after: float
-    error: str
-
-
-@dataclass(frozen=True)
-class Fail:
-    reason: str
-
-
-Decision = Complete | Pause | Requeue | Fail
-
-
-def cooldown_until(outcome: RateLimited | TimedOut, now: float, settings: Settings) -> float:
-    """When a model's cooldown ends: the configured length, or the provider's longer ask."""
-    if isinstance(outcome, TimedOut):
-        return now + settings.model_timeout_cooldown_sec
-    return now + max(settings.model_cooldown_sec, outcome.retry_after_sec or 0.0)
-
-
-def cooldown_key(
-    outcome: RateLimited | TimedOut, model: str, candidate_key: str, accounts: int
-) -> str:
-    """What a cooling answer cools: a 429 through one of several accounts is that
-    account's quota (``model@account``); overload and timeouts are the model's."""
-    if isinstance(outcome, RateLimited) and not outcome.overloaded and accounts > 1:
-        return candidate_key
-    return model
-
-
-def cost(usage: Usage, input_per_1k: float, output_per_1k: float) -> float:
-    """The cost of a call from its usage and the model's prices per 1,000 tokens."""
-    return (usage.prompt_tokens * input_per_1k + usage.completion_tokens * output_per_1k) / 1000
+__all__ = [
+    "ALL_COOLING",
+    "ALL_REFUSED",
+    "Complete",
+    "Fail",
+    "Pause",
+    "Requeue",
+    "after_failure",
+    "backoff_sec",
+    "when_no_candidate_left",
+]
 
 
 def after_failure(
@@ -97,8 +51,9 @@ def when_no_candidate_left(
     if blocked:
         model = min(blocked, key=lambda m: (blocked[m], m))
         gates = sorted({(codes or {}).get(m, "cooldown") for m in blocked})
-        reason = ALL_COOLING if gates == ["cooldown"] else f"{ALL_REFUSED} ({', '.join(gates)})"
-        return Pause(blocked[model], model, reason, dict(blocked))
+        cooling = gates == ["cooldown"]
+        reason = ALL_COOLING if cooling else f"{ALL_REFUSED} ({', '.join(gates)})"
+        return Pause(blocked[model], model, reason, dict(blocked), cooldown=cooling)
     return Fail("no usable model: " + "; ".join(refused) if refused else "empty model chain")
 
 

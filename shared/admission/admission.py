@@ -1,5 +1,12 @@
-"""Admission against the shared state in the database: the only writer of call_slots
-and account_state (circuits: ``agentbus.admission.circuit``).
+"""Admission: whether a call to a candidate may start now, and what its answer teaches.
+
+``Admission`` owns every gate: model cooldowns (``cooldowns``), the client
+budget (``budget``), circuits (``circuit``), concurrency slots, bulkheads,
+rate windows and daily budgets (``limits``). A worker asks ``admit`` right
+before a call and reports the outcome to ``finish``, which releases the
+slots, counts the outcome in the provider's circuit, cools the model down on
+a rate-limited, overloaded or timed-out answer, and leaves a refused
+credential out. It is the only writer of call_slots and account_state.
 
 Cheap refusals come from per-process caches refreshed every ``cache_sec``
 (cooldowns, open circuits). A candidate with no limit configured is admitted
@@ -11,7 +18,8 @@ limited gate and takes the slot (Postgres: under one advisory lock, SQLite:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -21,6 +29,7 @@ import tenacity
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
+from agentbus.admission.budget import ClientBudget, Reserve
 from agentbus.admission.circuit import CircuitStore, circuit_rules
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import (
@@ -29,6 +38,9 @@ from agentbus.admission.gates import (
     Refusal,
     circuit_admits,
     circuit_failure,
+    cooldown_key,
+    cooldown_until,
+    cost,
     refuse,
 )
 from agentbus.admission.limits import Limits
@@ -36,7 +48,7 @@ from agentbus.admission.routing import Candidate, Resolution, fingerprint, resol
 from agentbus.config import Config
 from agentbus.db import Database
 from agentbus.logging import get_logger
-from agentbus.providers.outcomes import Outcome
+from agentbus.providers.outcomes import AuthFailed, Outcome, RateLimited, TimedOut, Usage
 from agentbus.schema import account_state, call_slots
 
 log = get_logger("agentbus.admission")
@@ -54,6 +66,7 @@ class Permit:
     probe: bool
     gates: dict[str, Any] = field(default_factory=dict)
     finished: bool = False
+    budget_slot: str | None = None  # the client-budget name reserved for the call
 
     def __enter__(self) -> Permit:
         return self
@@ -63,6 +76,14 @@ class Permit:
     ) -> None:
         if not self.finished:
             self.admission.finish(self, None)
+
+
+@dataclass(frozen=True)
+class Cooled:
+    """What a cooling answer put in cooldown (``model`` or ``model@account``), and until when."""
+
+    key: str
+    until: float
 
 
 @dataclass(frozen=True)
@@ -81,6 +102,7 @@ class Admission:
         worker: str,
         cooldowns: CooldownStore,
         environ: Mapping[str, str] | None,
+        budget: ClientBudget | None = None,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
         cache_sec: float = 1.0,
@@ -88,6 +110,7 @@ class Admission:
         self.db = db
         self.worker = worker
         self.cooldowns = cooldowns
+        self.budget = budget if budget is not None and budget.mode != "off" else None
         self.environ = environ
         self.clock = clock
         self.sleep = sleep
@@ -120,14 +143,57 @@ class Admission:
 
     # -- admitting -----------------------------------------------------------
 
+    @contextmanager
+    def walk(self) -> Iterator[None]:
+        """One task's walk over its candidates: a client-budget bulk pass, so that the
+        refusals of the whole walk become one ``refused_batch`` event."""
+        if self.budget is None:
+            yield
+            return
+        with self.budget.bulk_pass():
+            yield
+
     def admit(
-        self, candidate: Candidate, *, agent: str, task_id: int | None, lease_sec: float
+        self,
+        candidate: Candidate,
+        *,
+        agent: str,
+        task_id: int | None,
+        lease_sec: float | None = None,
     ) -> Permit | Refusal:
         """A permit for one call now, or the refusal of the gate that admits last.
 
-        Slots held by others (concurrency, bulkhead) are waited for up to
-        ``admission_wait_ms`` before refusing.
+        The client budget is asked first (a slot named after the provider), then
+        the gates. Slots held by others (concurrency, bulkhead) are waited for
+        up to ``admission_wait_ms`` before refusing. ``lease_sec``: how long the
+        slots are held at most (default: every try of the call, with margin).
         """
+        lease = self.lease_for(candidate) if lease_sec is None else lease_sec
+        budget = self.budget
+        refused = Reserve.REFUSED
+        if (
+            budget is not None
+            and budget.try_reserve(candidate.provider, lease_sec=lease) is refused
+        ):
+            recheck = self.clock() + self.settings.admission_recheck_sec
+            detail = f"the client budget ({budget.budget}) is full"
+            return Refusal(Code.CLIENT_BUDGET, recheck, detail)
+        try:
+            answer = self._admit_gates(candidate, agent, task_id, lease)
+        except BaseException:
+            if budget is not None:
+                budget.release(candidate.provider)
+            raise
+        if budget is not None:
+            if isinstance(answer, Permit):
+                answer.budget_slot = candidate.provider
+            else:
+                budget.release(candidate.provider)
+        return answer
+
+    def _admit_gates(
+        self, candidate: Candidate, agent: str, task_id: int | None, lease_sec: float
+    ) -> Permit | Refusal:
         wait = self.settings.admission_wait_ms / 1000
         attempt = self._admit_once
         answer = attempt(candidate, agent, task_id, lease_sec, True)
@@ -248,11 +314,38 @@ class Admission:
 
     # -- after the call ------------------------------------------------------
 
-    def finish(self, permit: Permit, outcome: Outcome | None) -> None:
-        """Release the permit's slot and count the outcome in the provider's circuit."""
+    def finish(self, permit: Permit, outcome: Outcome | None) -> Cooled | None:
+        """The call is over: release the permit's slots and learn from its ``outcome``
+        (None: it ended without one). Returns what a cooling answer put in cooldown."""
         if permit.finished:
-            return
+            return None
         permit.finished = True
+        if permit.budget_slot is not None and self.budget is not None:
+            self.budget.release(permit.budget_slot)
+        self._release(permit, outcome)
+        match outcome:
+            case RateLimited() | TimedOut():
+                return self._cool(permit.candidate, outcome)
+            case AuthFailed(detail=detail):
+                self.mark_unusable(permit.candidate, detail)
+        return None
+
+    def _cool(self, c: Candidate, outcome: RateLimited | TimedOut) -> Cooled:
+        """Cool the candidate's model down for every process (an account's quota: only
+        ``model@account``); a cooldown is never shortened."""
+        accounts = len(self.catalog.provider(c.provider).accounts)
+        key = cooldown_key(outcome, c.model, c.key, accounts)
+        s = self.settings
+        until = cooldown_until(
+            outcome, self.clock(), s.model_cooldown_sec, s.model_timeout_cooldown_sec
+        )
+        effective = self.cooldowns.set(
+            key, until, reason=type(outcome).__name__, source=self.worker
+        )
+        return Cooled(key, effective)
+
+    def _release(self, permit: Permit, outcome: Outcome | None) -> None:
+        """Give back the permit's slot and count the outcome in the provider's circuit."""
         c = permit.candidate
         provider = self.catalog.provider(c.provider)
         failed = circuit_failure(outcome) if outcome is not None and provider.circuit else None
@@ -276,6 +369,18 @@ class Admission:
                 self.circuits.count(conn, provider, failed=failed, probe=permit.probe, now=now)
 
         self.db.write(work)
+
+    def lease_for(self, candidate: Candidate) -> float:
+        """How long a permit's slots are held at most: every try of the call, with margin."""
+        timeout = self.catalog.provider(candidate.provider).timeout_sec
+        tries = self.settings.call_retries + 1
+        waits = self.settings.call_retry_wait_sec * 2**tries
+        return float((timeout or self.settings.call_timeout_sec) * tries + waits + 60.0)
+
+    def cost(self, candidate: Candidate, usage: Usage) -> float:
+        """What a call's usage cost, at the model's configured prices."""
+        model = self.catalog.model(candidate.model)
+        return cost(usage, model.input_cost_per_1k, model.output_cost_per_1k)
 
     def mark_unusable(self, candidate: Candidate, reason: str) -> None:
         """A refused credential: leave the account out until its config changes."""

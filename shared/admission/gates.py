@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentbus.providers.outcomes import Failed, Outcome, RateLimited, Succeeded, TimedOut
+from agentbus.providers.outcomes import Failed, Outcome, RateLimited, Succeeded, TimedOut, Usage
 
 
 class Code(enum.StrEnum):
@@ -81,6 +81,33 @@ def next_day(now: float) -> float:
 
 def day_of(at: float) -> float:
     return at // 86400 * 86400
+
+
+# -- what an answer teaches ---------------------------------------------------
+
+
+def cooldown_until(
+    outcome: RateLimited | TimedOut, now: float, cooldown_sec: float, timeout_cooldown_sec: float
+) -> float:
+    """When a model's cooldown ends: the configured length, or the provider's longer ask."""
+    if isinstance(outcome, TimedOut):
+        return now + timeout_cooldown_sec
+    return now + max(cooldown_sec, outcome.retry_after_sec or 0.0)
+
+
+def cooldown_key(
+    outcome: RateLimited | TimedOut, model: str, candidate_key: str, accounts: int
+) -> str:
+    """What a cooling answer cools: a 429 through one of several accounts is that
+    account's quota (``model@account``); overload and timeouts are the model's."""
+    if isinstance(outcome, RateLimited) and not outcome.overloaded and accounts > 1:
+        return candidate_key
+    return model
+
+
+def cost(usage: Usage, input_per_1k: float, output_per_1k: float) -> float:
+    """The cost of a call from its usage and the model's prices per 1,000 tokens."""
+    return (usage.prompt_tokens * input_per_1k + usage.completion_tokens * output_per_1k) / 1000
 
 
 # -- the circuit breaker ------------------------------------------------------

@@ -11,9 +11,11 @@ waiting, so they never pause a task).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from agentbus.catalog import AccountConfig, CandidateSpec, Catalog, ProviderConfig
 from agentbus.errors import ConfigError
@@ -33,6 +35,37 @@ class Candidate:
     def key(self) -> str:
         """The candidate's name in cooldowns and pauses: ``model`` or ``model@account``."""
         return f"{self.model}@{self.account}" if self.account else self.model
+
+
+@dataclass(frozen=True)
+class Route:
+    """One routing decision, a row of ``route_log``: a candidate a worker considered for a
+    task under one claim, and what came of it (recorded with the settle it led to)."""
+
+    task_id: int
+    claim_token: int
+    agent: str
+    model: str
+    decision: str  # call | skip (cooling) | refuse (a gate)
+    at: float
+    worker: str | None = None
+    outcome: str | None = None  # a call's outcome name (agentbus.providers.outcomes)
+    cooldown_until: float | None = None  # seen (skip) or set (call)
+    role: str | None = None
+    fallback_from: str | None = None
+    provider: str | None = None
+    account: str | None = None
+    code: str | None = None  # a refusal's code
+    retry_after: float | None = None  # when the refusing gate admits again
+    gates: Mapping[str, Any] | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cost: float | None = None
+
+    def row(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["gates"] = dict(self.gates) if self.gates is not None else None
+        return out
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ Written in the settle transaction from the call's routing rows, one row per
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -17,19 +17,22 @@ from sqlalchemy.engine import Connection
 from agentbus.admission.gates import day_of
 from agentbus.schema import usage_daily as u
 
+if TYPE_CHECKING:
+    from agentbus.admission.routing import Route
 
-def record(conn: Connection, routes: Iterable[Mapping[str, Any]]) -> None:
-    """Add the calls among ``routes`` (rows of route_log) to the ledger."""
+
+def record(conn: Connection, routes: Iterable[Route]) -> None:
+    """Add the calls among ``routes`` to the ledger."""
     sums: dict[tuple[float, str, str, str], list[Any]] = {}
     for r in routes:
-        if r.get("decision") != "call" or r.get("provider") is None:
+        if r.decision != "call" or r.provider is None:
             continue
-        key = (day_of(r["at"]), r["model"], r.get("account") or "", r.get("worker") or "")
-        row = sums.setdefault(key, [r["provider"], 0, 0, 0, 0.0])
+        key = (day_of(r.at), r.model, r.account or "", r.worker or "")
+        row = sums.setdefault(key, [r.provider, 0, 0, 0, 0.0])
         row[1] += 1
-        row[2] += r.get("prompt_tokens") or 0
-        row[3] += r.get("completion_tokens") or 0
-        row[4] += r.get("cost") or 0.0
+        row[2] += r.prompt_tokens or 0
+        row[3] += r.completion_tokens or 0
+        row[4] += r.cost or 0.0
     if not sums:
         return
     conn.execute(

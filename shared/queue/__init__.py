@@ -2,6 +2,7 @@
 
 - ``states``: the task states and every legal transition.
 - ``tasks``: a task to enqueue (``TaskSpec``, validated) and a stored one (``Task``).
+- ``decisions``: what becomes of a claimed task (``Settlement``: a claim and its decision).
 - ``statements``: every ``bus_commands`` UPDATE, derived from the transition table.
 - ``task_queue``: ``TaskQueue``, the only code that changes a task's status
   (``sweeps``: its rescue, resume, postpone and demote operations).
@@ -15,9 +16,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from agentbus.queue.task_queue import Completion, Enqueued, TaskQueue
+    from agentbus.queue.task_queue import Enqueued, Settlement, TaskQueue
 
-__all__ = ["Completion", "Enqueued", "TaskQueue"]
+__all__ = ["Enqueued", "Settlement", "TaskQueue"]
 
 
 def __getattr__(name: str) -> Any:

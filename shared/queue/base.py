@@ -1,10 +1,11 @@
-"""The guarded write every transition goes through, and the queue's state."""
+"""What the queue's operations share: its database and clock, the guarded moves of many
+tasks, and the message of a guarded write that matched nothing."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -13,7 +14,7 @@ from sqlalchemy.engine import Connection
 from agentbus.db import Database
 from agentbus.errors import TransitionRejected
 from agentbus.queue import events
-from agentbus.queue.statements import MOVE_MANY, SETTLE, claim_statement
+from agentbus.queue.statements import MOVE_MANY, claim_statement
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.schema import bus_commands as t
 
@@ -36,45 +37,6 @@ class QueueBase:
         ).returning(t.c.id)
 
     # -- the guarded writes --------------------------------------------------
-
-    def _settle(
-        self,
-        action: str,
-        task_id: int,
-        token: int,
-        worker: str | None,
-        reason: str,
-        params: Mapping[str, Any],
-        *,
-        detail: Mapping[str, Any] | None = None,
-        routes: Sequence[Mapping[str, Any]] = (),
-    ) -> None:
-        (source,), target = TRANSITIONS[action]
-
-        def work(conn: Connection) -> None:
-            now = self.clock()
-            full = {"p_id": task_id, "p_token": token, "p_now": now, **text_safe(params)}
-            if conn.execute(SETTLE[action], full).rowcount != 1:
-                lease_checked = now if action.startswith("rescue") else None
-                self._reject(conn, task_id, action, token, lease_checked)
-            events.record(
-                conn,
-                [
-                    events.event(
-                        task_id,
-                        source.value,
-                        target.value,
-                        now,
-                        reason=reason,
-                        worker=worker,
-                        claim_token=token,
-                        detail=detail,
-                    )
-                ],
-            )
-            events.record_routes(conn, routes)
-
-        self.db.write(work)
 
     def _move_many(
         self,
@@ -109,24 +71,36 @@ class QueueBase:
 
         return self.db.write(work) if task_ids else []
 
-    @staticmethod
+    @classmethod
     def _reject(
+        cls,
         conn: Connection,
         task_id: int,
         action: str,
         token: int | None,
         lease_checked_at: float | None = None,
-    ) -> None:
+    ) -> NoReturn:
+        raise cls._rejection(conn, task_id, action, token, lease_checked_at)
+
+    @staticmethod
+    def _rejection(
+        conn: Connection,
+        task_id: int,
+        action: str,
+        token: int | None,
+        lease_checked_at: float | None = None,
+    ) -> TransitionRejected:
+        """Why a guarded write matched no row: where the task is now."""
         row = conn.execute(
             sa.select(t.c.status, t.c.claim_token, t.c.lease_until).where(t.c.id == task_id)
         ).first()
         sources, _ = TRANSITIONS.get(action, (frozenset({TaskStatus.CLAIMED}), None))
         expected = " or ".join(sorted(s.value for s in sources))
         if row is None:
-            raise TransitionRejected(task_id, action, expected, None, token)
+            return TransitionRejected(task_id, action, expected, None, token)
         actual = row.status
         if token is not None and row.status == "claimed" and row.claim_token != token:
             actual = f"claimed under token {row.claim_token}"
         elif lease_checked_at is not None and row.status == "claimed":
             actual = f"claimed with {(row.lease_until or 0) - lease_checked_at:.1f}s of lease left"
-        raise TransitionRejected(task_id, action, expected, actual, token)
+        return TransitionRejected(task_id, action, expected, actual, token)

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.admission import usage
+from agentbus.admission.routing import Route
 from agentbus.schema import route_log, task_events
 
 
@@ -64,10 +65,10 @@ def for_task(conn: Connection, task_id: int) -> list[dict[str, Any]]:
     return [dict(r._mapping) for r in rows]
 
 
-def record_routes(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
-    """Append routing decisions (see ``agentbus.schema.route_log``) with the settle they led to,
-    and add their calls' usage to the ledger."""
-    batch = [dict(r) for r in rows]
+def record_routes(conn: Connection, routes: Iterable[Route]) -> None:
+    """Append routing decisions with the settle they led to, and add their calls' usage
+    to the ledger."""
+    batch = list(routes)
     if batch:
-        conn.execute(sa.insert(route_log), batch)
+        conn.execute(sa.insert(route_log), [r.row() for r in batch])
         usage.record(conn, batch)

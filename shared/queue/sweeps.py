@@ -12,11 +12,25 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from agentbus.queue import events
-from agentbus.queue import todos as ops
+from agentbus.queue import events, todos
 from agentbus.queue.base import QueueBase
 from agentbus.queue.statements import POSTPONE, SETTLE
+from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.schema import bus_commands as t
+
+
+@dataclass(frozen=True)
+class DuePause:
+    """A paused task whose resume time has come (what the sweeper's resume needs)."""
+
+    id: int
+    agent: str
+    models: tuple[str, ...] | None
+    role: str | None
+    resume_after: float
+    paused_at: float | None
+    pause_model: str | None
+    reentry_count: int
 
 
 @dataclass(frozen=True)
@@ -26,26 +40,72 @@ class Rescued:
 
 
 class SweepOps(QueueBase):
+    # -- what is due (index range scans: cost follows the due rows, not the table) --
+
+    def due_pauses(self, limit: int) -> list[DuePause]:
+        """Paused tasks whose ``resume_after`` has passed, the earliest first."""
+        query = (
+            sa.select(
+                t.c.id,
+                t.c.agent,
+                t.c.models,
+                t.c.role,
+                t.c.resume_after,
+                t.c.paused_at,
+                t.c.pause_model,
+                t.c.reentry_count,
+            )
+            .where(t.c.status == TaskStatus.PAUSED, t.c.resume_after <= self.clock())
+            .order_by(t.c.resume_after)
+            .limit(limit)
+        )
+        rows = self.db.read(lambda conn: conn.execute(query).all())
+        return [
+            DuePause(
+                r.id,
+                r.agent,
+                tuple(r.models) if isinstance(r.models, list) and r.models else None,
+                r.role,
+                r.resume_after,
+                r.paused_at,
+                r.pause_model,
+                r.reentry_count,
+            )
+            for r in rows
+        ]
+
+    def long_pauses(self, paused_since: float, limit: int) -> dict[int, str]:
+        """Task id -> agent of tasks whose pause episode began at or before ``paused_since``."""
+        query = (
+            sa.select(t.c.id, t.c.agent)
+            .where(t.c.status == TaskStatus.PAUSED, t.c.first_paused_at <= paused_since)
+            .limit(limit)
+        )
+        return {r.id: r.agent for r in self.db.read(lambda conn: conn.execute(query).all())}
+
+    def next_resume_at(self) -> float | None:
+        """The earliest pending ``resume_after`` (an index lookup); None: nothing paused."""
+        query = sa.select(sa.func.min(t.c.resume_after)).where(t.c.status == TaskStatus.PAUSED)
+        value = self.db.read(lambda conn: conn.execute(query).scalar())
+        return float(value) if value is not None else None
+
+    # -- the sweeper's moves ------------------------------------------------
     def rescue(
         self, task_id: int, token: int, *, poison: str | None = None, by: str = "sweeper"
     ) -> None:
         """A claim whose lease expired: back to queued, or failed when ``poison`` says why.
 
         Guarded by the token and by the lease having expired, so a worker that
-        heartbeats in time keeps its task.
+        heartbeats in time keeps its task; raises TransitionRejected otherwise.
         """
-        if poison is None:
-            self._settle("rescue", task_id, token, by, "lease expired", {})
-        else:
-            self._settle(
-                "rescue_fail",
-                task_id,
-                token,
-                by,
-                "poison pill",
-                {"p_error": poison},
-                detail={"poison": poison},
-            )
+
+        def work(conn: Connection) -> None:
+            now = self.clock()
+            if not self._rescue_one(conn, task_id, token, None, poison, now, by):
+                action = "rescue" if poison is None else "rescue_fail"
+                self._reject(conn, task_id, action, token, now)
+
+        self.db.write(work)
 
     def rescue_expired(self, *, limit: int, rescue_limit: int, by: str = "sweeper") -> Rescued:
         """Rescue up to ``limit`` claims whose lease has expired (the oldest first).
@@ -59,14 +119,13 @@ class SweepOps(QueueBase):
             now = self.clock()
             pick = (
                 sa.select(t.c.id, t.c.claim_token, t.c.rescue_count, t.c.claimed_by)
-                .where(t.c.status == "claimed", t.c.lease_until < now)
+                .where(t.c.status == TaskStatus.CLAIMED, t.c.lease_until < now)
                 .order_by(t.c.lease_until)
                 .limit(limit)
             )
             if self.db.dialect == "postgresql":
                 pick = pick.with_for_update(skip_locked=True)
             out = Rescued([], [])
-            log = []
             for task_id, token, rescues, holder in conn.execute(pick).all():
                 poison = None
                 if rescues + 1 >= rescue_limit:
@@ -74,27 +133,42 @@ class SweepOps(QueueBase):
                         f"lease expired {rescues + 1} times (last held by {holder}): "
                         "the task may be crashing its worker"
                     )
-                action = "rescue" if poison is None else "rescue_fail"
-                params = {"p_id": task_id, "p_token": token, "p_now": now, "p_error": poison}
-                if conn.execute(SETTLE[action], params).rowcount != 1:
-                    continue  # heartbeat arrived or another sweeper got there: not ours
-                (out.requeued if poison is None else out.poisoned).append(int(task_id))
-                log.append(
-                    events.event(
-                        int(task_id),
-                        "claimed",
-                        "queued" if poison is None else "failed",
-                        now,
-                        reason="lease expired" if poison is None else "poison pill",
-                        worker=by,
-                        claim_token=token,
-                        detail={"was_held_by": holder, "poison": poison},
-                    )
-                )
-            events.record(conn, log)
+                if self._rescue_one(conn, task_id, token, holder, poison, now, by):
+                    (out.requeued if poison is None else out.poisoned).append(int(task_id))
             return out
 
         return self.db.write(work)
+
+    def _rescue_one(
+        self,
+        conn: Connection,
+        task_id: int,
+        token: int,
+        holder: str | None,
+        poison: str | None,
+        now: float,
+        by: str,
+    ) -> bool:
+        """One guarded rescue with its event; False when the write matched nothing (a
+        heartbeat arrived in time, or another sweeper got there first)."""
+        action = "rescue" if poison is None else "rescue_fail"
+        params = {"p_id": task_id, "p_token": token, "p_now": now, "p_error": poison}
+        if conn.execute(SETTLE[action], params).rowcount != 1:
+            return False
+        (source,), target = TRANSITIONS[action]
+        detail = {k: v for k, v in (("was_held_by", holder), ("poison", poison)) if v is not None}
+        event = events.event(
+            int(task_id),
+            source.value,
+            target.value,
+            now,
+            reason="lease expired" if poison is None else "poison pill",
+            worker=by,
+            claim_token=token,
+            detail=detail or None,
+        )
+        events.record(conn, [event])
+        return True
 
     def resume(self, task_ids: Sequence[int], *, by: str = "sweeper") -> list[int]:
         """Paused -> queued; returns the ids that were still paused and moved."""
@@ -122,7 +196,7 @@ class SweepOps(QueueBase):
         """
 
         def extra(conn: Connection, moved: list[int], now: float) -> None:
-            ops.add(
+            todos.add(
                 conn,
                 [
                     {

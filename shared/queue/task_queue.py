@@ -2,10 +2,11 @@
 
 Every operation is one guarded conditional UPDATE (``WHERE id = … AND status
 = … [AND claim_token = …]``, see ``agentbus.queue.statements``) plus its event row,
-in one transaction. A guarded write that matches no row raises
-``TransitionRejected`` (batch operations return the ids that did not match):
-the task was not where the caller thought — another claim owns it, or
-someone else moved it.
+in one transaction. A guarded write that matches no row is a
+``TransitionRejected`` (raised, or returned by ``settle``/``settle_many``): the
+task was not where the caller thought — another claim owns it, or someone
+else moved it. A worker hands over a ``Settlement`` (``decisions``): the claim
+and what becomes of it.
 
 Claiming is one statement: Postgres picks rows with ``FOR UPDATE SKIP
 LOCKED``; SQLite runs ``UPDATE … WHERE id IN (SELECT …) RETURNING`` inside
@@ -16,38 +17,34 @@ an old token and none of its writes can land.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from agentbus.admission.routing import Route
 from agentbus.errors import TaskNotFound, TransitionRejected
 from agentbus.queue import events, reads
-from agentbus.queue.base import Clock
+from agentbus.queue.base import Clock, text_safe
+from agentbus.queue.decisions import (
+    Complete,
+    Crash,
+    Decision,
+    Fail,
+    Pause,
+    Release,
+    Requeue,
+    Settlement,
+)
 from agentbus.queue.statements import COMPLETE_MANY_POSTGRES, HEARTBEAT, SETTLE
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.queue.sweeps import SweepOps
 from agentbus.queue.tasks import Task, TaskSpec
 from agentbus.schema import bus_commands as t
 
-__all__ = ["Clock", "Completion", "Enqueued", "TaskQueue"]
-
-#: Routing decisions (rows of ``route_log``) recorded with the settle they led to.
-Routes = Sequence[Mapping[str, Any]]
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One claim to acknowledge as done (see ``TaskQueue.complete_many``)."""
-
-    task_id: int
-    token: int
-    result: str | None = None
-    note: str | None = None
-    detail: Mapping[str, Any] | None = None
-    routes: Routes = ()
+__all__ = ["Clock", "Enqueued", "Settlement", "TaskQueue"]
 
 
 @dataclass(frozen=True)
@@ -169,89 +166,90 @@ class TaskQueue(SweepOps):
 
         return self.db.write(work)
 
+    # -- settling a claim ----------------------------------------------------
+
+    def settle(self, item: Settlement, *, worker: str | None = None) -> TransitionRejected | None:
+        """Make the change ``item.decision`` names; returns why not if the claim was lost."""
+        lost = self.settle_many([item], worker=worker)
+        return lost[0] if lost else None
+
+    def settle_many(
+        self, items: Sequence[Settlement], *, worker: str | None = None
+    ) -> list[TransitionRejected]:
+        """Settle several claims in one transaction (a batch's acknowledgement).
+
+        Each settlement whose guarded write matched no row (the claim was lost:
+        its lease ran out and another claim owns the task, or someone moved it)
+        changes nothing and comes back as a ``TransitionRejected`` saying where
+        the task is; the others are settled with their events and routes.
+        Completions go in one statement (Postgres: one UPDATE over unnest()ed
+        arrays; SQLite: one executemany).
+        """
+
+        def work(conn: Connection) -> list[TransitionRejected]:
+            now = self.clock()
+            completes = [i for i in items if isinstance(i.decision, Complete)]
+            settled = self._complete(conn, completes, now)
+            for item in items:
+                if isinstance(item.decision, Complete):
+                    continue
+                action, params = _statement(item.decision)
+                full = {"p_id": item.task_id, "p_token": item.token, "p_now": now, **params}
+                if conn.execute(SETTLE[action], text_safe(full)).rowcount == 1:
+                    settled.add(item.task_id)
+            done = [i for i in items if i.task_id in settled]
+            events.record(conn, [_event(i, worker, now) for i in done])
+            events.record_routes(conn, [route for i in done for route in i.routes])
+            return [
+                self._rejection(conn, i.task_id, _action(i.decision), i.token)
+                for i in items
+                if i.task_id not in settled
+            ]
+
+        return self.db.write(work) if items else []
+
+    def _complete(self, conn: Connection, items: list[Settlement], now: float) -> set[int]:
+        """Complete claims in one statement; returns the ids whose claim held."""
+        if not items:
+            return set()
+        rows = [(i.task_id, i.token, _statement(i.decision)[1]) for i in items]
+        if self.db.dialect == "postgresql":
+            params = {
+                "p_ids": [task_id for task_id, _, _ in rows],
+                "p_tokens": [token for _, token, _ in rows],
+                "p_results": [events.storable(p["p_result"]) for _, _, p in rows],
+                "p_notes": [events.storable(p["p_note"]) for _, _, p in rows],
+                "p_now": now,
+            }
+            return set(conn.execute(COMPLETE_MANY_POSTGRES, params).scalars())
+        batch = [
+            {"p_id": task_id, "p_token": token, "p_now": now, **text_safe(p)}
+            for task_id, token, p in rows
+        ]
+        if conn.execute(SETTLE["complete"], batch).rowcount == len(items):
+            return {i.task_id for i in items}  # one executemany: every claim held
+        tokens = {i.task_id: i.token for i in items}  # some claim was lost: which rows moved
+        finished = conn.execute(
+            sa.select(t.c.id, t.c.claim_token).where(
+                t.c.id.in_(list(tokens)), t.c.status == TaskStatus.DONE, t.c.updated_at == now
+            )
+        ).all()
+        return {i for i, token in finished if tokens[i] == token}
+
+    # Named shorthands of ``settle`` (tests, scripts, operators): each raises
+    # TransitionRejected when the claim was lost.
+
     def complete(
         self,
         task_id: int,
         token: int,
         result: str | None = None,
         *,
+        model: str | None = None,
         worker: str | None = None,
-        note: str | None = None,
-        detail: Mapping[str, Any] | None = None,
-        routes: Routes = (),
+        routes: Sequence[Route] = (),
     ) -> None:
-        self._settle(
-            "complete",
-            task_id,
-            token,
-            worker,
-            "done",
-            {"p_result": result, "p_note": note},
-            detail=detail,
-            routes=routes,
-        )
-
-    def complete_many(self, items: Sequence[Completion], *, worker: str | None = None) -> list[int]:
-        """Complete several claims in one transaction (acknowledging a batch).
-
-        Returns the ids whose guarded write matched nothing (claim superseded);
-        the others are done, with their events and routes. On Postgres the batch
-        is one UPDATE over unnest()ed arrays; on SQLite one UPDATE per task.
-        """
-
-        def work(conn: Connection) -> list[int]:
-            now = self.clock()
-            if self.db.dialect == "postgresql":
-                params = {
-                    "p_ids": [c.task_id for c in items],
-                    "p_tokens": [c.token for c in items],
-                    "p_results": [events.storable(c.result) for c in items],
-                    "p_notes": [events.storable(c.note) for c in items],
-                    "p_now": now,
-                }
-                moved = set(conn.execute(COMPLETE_MANY_POSTGRES, params).scalars())
-            else:
-                batch = [
-                    {
-                        "p_id": c.task_id,
-                        "p_token": c.token,
-                        "p_now": now,
-                        "p_result": events.storable(c.result),
-                        "p_note": c.note,
-                    }
-                    for c in items
-                ]
-                if conn.execute(SETTLE["complete"], batch).rowcount == len(items):
-                    moved = {c.task_id for c in items}  # one executemany: every claim held
-                else:  # some claim was superseded: the rows this statement finished
-                    tokens = {c.task_id: c.token for c in items}
-                    finished = conn.execute(
-                        sa.select(t.c.id, t.c.claim_token).where(
-                            t.c.id.in_(list(tokens)), t.c.status == "done", t.c.updated_at == now
-                        )
-                    ).all()
-                    moved = {i for i, token in finished if tokens[i] == token}
-            done = [c for c in items if c.task_id in moved]
-            events.record(
-                conn,
-                [
-                    events.event(
-                        c.task_id,
-                        "claimed",
-                        "done",
-                        now,
-                        reason="done",
-                        worker=worker,
-                        claim_token=c.token,
-                        detail=c.detail,
-                    )
-                    for c in done
-                ],
-            )
-            events.record_routes(conn, [route for c in done for route in c.routes])
-            return [c.task_id for c in items if c.task_id not in moved]
-
-        return self.db.write(work) if items else []
+        self._settle_or_raise(Settlement(task_id, token, Complete(result, model), routes), worker)
 
     def fail(
         self,
@@ -261,24 +259,15 @@ class TaskQueue(SweepOps):
         *,
         worker: str | None = None,
         spend_attempt: bool = True,
-        routes: Routes = (),
+        routes: Sequence[Route] = (),
     ) -> None:
         """Permanent failure: the work cannot succeed."""
-        self._settle(
-            "fail",
-            task_id,
-            token,
-            worker,
-            reason,
-            {"p_error": reason, "p_spend": int(spend_attempt)},
-            routes=routes,
-        )
+        decision = Fail(reason, spend_attempt)
+        self._settle_or_raise(Settlement(task_id, token, decision, routes), worker)
 
     def error(self, task_id: int, token: int, error: str, *, worker: str | None = None) -> None:
         """An unexpected exception in handler or worker code."""
-        self._settle(
-            "error", task_id, token, worker, "error", {"p_error": error}, detail={"error": error}
-        )
+        self._settle_or_raise(Settlement(task_id, token, Crash(error)), worker)
 
     def pause(
         self,
@@ -289,35 +278,21 @@ class TaskQueue(SweepOps):
         *,
         model: str | None = None,
         worker: str | None = None,
-        detail: Mapping[str, Any] | None = None,
-        routes: Routes = (),
+        routes: Sequence[Route] = (),
         cooldown: bool = True,
     ) -> None:
         """Every candidate is refused for a temporary reason: park the task (no attempt spent).
 
         ``cooldown`` False (a gate refused: a rate window, a circuit, slots) does not
         count as re-entering ``model``'s cooldown (the sweeper's re-entry rule)."""
-        self._settle(
-            "pause",
-            task_id,
-            token,
-            worker,
-            reason,
-            {
-                "p_resume_after": resume_after,
-                "p_reason": reason,
-                "p_model": model,
-                "p_reentry": cooldown,
-            },
-            detail={"resume_after": resume_after, "model": model, **(detail or {})},
-            routes=routes,
-        )
+        decision = Pause(resume_after, model, reason, cooldown=cooldown)
+        self._settle_or_raise(Settlement(task_id, token, decision, routes), worker)
 
     def release(
         self, task_id: int, token: int, reason: str = "shutdown", *, worker: str | None = None
     ) -> None:
         """Give a claimed task back untouched (no attempt spent)."""
-        self._settle("release", task_id, token, worker, reason, {})
+        self._settle_or_raise(Settlement(task_id, token, Release(reason)), worker)
 
     def requeue(
         self,
@@ -327,19 +302,16 @@ class TaskQueue(SweepOps):
         error: str,
         *,
         worker: str | None = None,
-        routes: Routes = (),
+        routes: Sequence[Route] = (),
     ) -> None:
         """A retryable failure: the attempt is spent and the task waits until ``run_after``."""
-        self._settle(
-            "requeue",
-            task_id,
-            token,
-            worker,
-            "retry",
-            {"p_run_after": run_after, "p_error": error},
-            detail={"error": error, "run_after": run_after},
-            routes=routes,
-        )
+        decision = Requeue(run_after, error)
+        self._settle_or_raise(Settlement(task_id, token, decision, routes), worker)
+
+    def _settle_or_raise(self, item: Settlement, worker: str | None) -> None:
+        lost = self.settle(item, worker=worker)
+        if lost is not None:
+            raise lost
 
     # -- operators -----------------------------------------------------------
 
@@ -381,3 +353,83 @@ class TaskQueue(SweepOps):
     def get(self, task_id: int) -> Task:
         """The task as stored now (raises TaskNotFound)."""
         return reads.get_task(self.db, task_id)
+
+
+def _action(decision: Decision) -> str:
+    """The transition (a key of ``TRANSITIONS``) a decision makes."""
+    match decision:
+        case Complete():
+            return "complete"
+        case Pause():
+            return "pause"
+        case Requeue():
+            return "requeue"
+        case Fail():
+            return "fail"
+        case Crash():
+            return "error"
+        case Release():
+            return "release"
+
+
+def _statement(decision: Decision) -> tuple[str, dict[str, Any]]:
+    """The transition a decision makes and its statement's parameters."""
+    match decision:
+        case Complete(result=result, model=model):
+            note = f"model={model}" if model is not None else None
+            return "complete", {"p_result": result, "p_note": note}
+        case Pause():
+            return "pause", {
+                "p_resume_after": decision.resume_after,
+                "p_reason": decision.reason,
+                "p_model": decision.model,
+                "p_reentry": decision.cooldown,
+            }
+        case Requeue(run_after=run_after, error=error):
+            return "requeue", {"p_run_after": run_after, "p_error": error}
+        case Fail(reason=reason, spend_attempt=spend):
+            return "fail", {"p_error": reason, "p_spend": int(spend)}
+        case Crash(error=error):
+            return "error", {"p_error": error}
+        case Release():
+            return "release", {}
+
+
+def _event(item: Settlement, worker: str | None, now: float) -> dict[str, Any]:
+    """The event row of a settlement: the transition, its reason and what it carried."""
+    d = item.decision
+    detail: dict[str, Any] = {}
+    match d:
+        case Complete(model=model, usage=usage) if model is not None:
+            reason = "done"
+            usage_detail = {
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+            }
+            detail = {"model": model, "usage": usage_detail}
+        case Complete():
+            reason = "done"
+        case Pause():
+            reason = d.reason
+            detail = {"resume_after": d.resume_after, "model": d.model}
+            if d.cooling:
+                detail["cooling"] = dict(d.cooling)
+        case Requeue(run_after=run_after, error=error):
+            reason, detail = "retry", {"error": error, "run_after": run_after}
+        case Fail(reason=why):
+            reason = why
+        case Crash(error=error):
+            reason, detail = "error", {"error": error}
+        case Release(reason=why):
+            reason = why
+    (source,), target = TRANSITIONS[_action(d)]
+    return events.event(
+        item.task_id,
+        source.value,
+        target.value,
+        now,
+        reason=reason,
+        worker=worker,
+        claim_token=item.token,
+        detail={**detail, **(item.detail or {})} or None,
+    )
