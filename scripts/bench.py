@@ -60,7 +60,7 @@ import sqlalchemy as sa
 from agentbus.admission.admission import Admission, Permit
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.catalog import Catalog
-from agentbus.config import Config, Settings, load_config
+from agentbus.config import Config, LiveConfig, Settings, load_config
 from agentbus.db import Database, migrate
 from agentbus.logging import configure
 from agentbus.providers.outcomes import Succeeded
@@ -260,7 +260,7 @@ def bench_sweeper(url: str, synchronous: str, sizes: list[int]) -> list[tuple[st
                     sa.insert(bus_commands), chunk
                 )
             )
-        sweep = jobs.Sweep(db, Settings(), Catalog())
+        sweep = jobs.Sweep(db, LiveConfig.fixed(Settings()))
         started = time.perf_counter()
         counts = jobs.resume(sweep)
         secs = time.perf_counter() - started

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from agentbus.config import Settings
+from agentbus.config import Settings, load_config
 from agentbus.db import Database
 from agentbus.queue import TaskQueue
 from agentbus.queue.states import TERMINAL
@@ -33,7 +33,7 @@ class AgentBus:
     """Enqueue tasks and read their results."""
 
     def __init__(self, url: str | None = None, *, settings: Settings | None = None) -> None:
-        base = settings or Settings.load()
+        base = settings or load_config().settings
         self.settings = base if url is None else base.replace(database_url=url)
         self.db = Database.from_settings(self.settings)
         try:

@@ -14,7 +14,7 @@ import math
 import os
 import time
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,20 +176,6 @@ class Settings:
         return {f.name: f.metadata["doc"] for f in dataclasses.fields(cls)}
 
     @classmethod
-    def load(
-        cls,
-        config_file: str | Path | None = None,
-        overrides: Mapping[str, Any] | None = None,
-        environ: Mapping[str, str] | None = None,
-    ) -> Settings:
-        """Build settings from defaults < TOML file < environment < ``overrides``.
-
-        ``config_file`` None means ``$AGENTBUS_CONFIG`` or ``./agentbus.toml``
-        when it exists. ``overrides`` with value None are ignored (unset flags).
-        """
-        return load_config(config_file, overrides, environ).settings
-
-    @classmethod
     def from_doc(
         cls,
         doc: Mapping[str, Any],
@@ -321,43 +307,66 @@ POSITIVE = (
 
 @dataclass(frozen=True)
 class Config:
-    """Everything a process is configured with: settings and the model catalog."""
+    """Everything a process is configured with: settings and the model catalog, and how
+    they were read (so that ``reload`` reads the file again with the same flags)."""
 
     settings: Settings
     catalog: Catalog
     path: Path | None
+    overrides: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    environ: Mapping[str, str] | None = field(default=None, compare=False, repr=False)
+
+    def reload(self) -> Config:
+        """The config file read again, with the flags and environment of the first read."""
+        return load_config(self.path, self.overrides, self.environ)
 
 
-class ConfigWatcher:
-    """Notices that the config file changed (time and size) and reads it again.
+class LiveConfig:
+    """The config of a long-running process, reloaded when its file changes.
 
-    ``load`` builds the config the way the process did at start (same flags).
-    A file that no longer reads is reported and the running config kept.
+    Every component (admission, the runner, the providers, the sweeper) reads
+    ``settings`` and ``catalog`` from here when it needs them, so ``refresh``
+    swaps a reloaded config in at one place and everyone sees it whole. The
+    file is looked at every ``config_check_sec`` (its time and size); one that
+    no longer reads is reported and the running config kept.
     """
 
-    def __init__(self, config: Config, load: Callable[[], Config]) -> None:
+    def __init__(self, config: Config, *, watch: bool = True) -> None:
         self.config = config
-        self.load = load
+        self.watch = watch and config.path is not None
         self._seen = _stamp(config.path)
         self._checked = time.monotonic()
 
-    def changed(self) -> Config | None:
-        """The new config if the file changed since the last look, else None."""
+    @classmethod
+    def fixed(cls, settings: Settings | None = None, catalog: Catalog | None = None) -> LiveConfig:
+        """A config that never reloads (tests, benchmarks, one-shot commands)."""
+        return cls(Config(settings or Settings(), catalog or Catalog(), None), watch=False)
+
+    @property
+    def settings(self) -> Settings:
+        return self.config.settings
+
+    @property
+    def catalog(self) -> Catalog:
+        return self.config.catalog
+
+    def refresh(self) -> bool:
+        """Reload the file if it changed since the last look; True when a new config is in."""
         now = time.monotonic()
-        if self.config.path is None or now - self._checked < self.config.settings.config_check_sec:
-            return None
+        if not self.watch or now - self._checked < self.settings.config_check_sec:
+            return False
         self._checked = now
         stamp = _stamp(self.config.path)
         if stamp == self._seen:
-            return None
+            return False
         self._seen = stamp
         try:
-            self.config = self.load()
+            self.config = self.config.reload()
         except ConfigError as exc:
             log.error("config_reload_failed", path=str(self.config.path), error=exc.message)
-            return None
+            return False
         log.info("config_reloaded", path=str(self.config.path))
-        return self.config
+        return True
 
 
 def _stamp(path: Path | None) -> tuple[int, int] | None:
@@ -391,7 +400,8 @@ def load_config(
         catalog = parse_catalog(doc)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc.message}") from None
-    return Config(Settings.from_doc(doc, path, overrides, env), catalog, path)
+    settings = Settings.from_doc(doc, path, overrides, env)
+    return Config(settings, catalog, path, overrides, environ)
 
 
 def read_toml(path: Path) -> dict[str, Any]:

@@ -64,7 +64,7 @@ bus_commands = sa.Table(
     sa.Column("payload", LenientJSON),
     sa.Column("models", LenientJSON),
     sa.Column("role", sa.Text),
-    sa.Column("status", sa.Text, nullable=False, server_default="queued"),
+    sa.Column("status", sa.Text, nullable=False, server_default=TaskStatus.QUEUED.value),
     sa.Column("priority", sa.Integer, nullable=False, server_default="0"),
     sa.Column("run_after", Epoch, nullable=False, server_default="0"),
     sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from agentbus import cli
-from agentbus.config import ConfigWatcher, load_config
+from agentbus.config import LiveConfig, load_config
 from agentbus.logging import configure
 
 
@@ -40,8 +40,7 @@ def sweeper(
     db = Database.from_settings(config.settings)
     try:
         db.require_migrated()
-        watcher = ConfigWatcher(config, lambda: load_config(config.path, overrides))
-        sweep = jobs.Sweep(db, config.settings, config.catalog, watcher=watcher)
+        sweep = jobs.Sweep(db, LiveConfig(config))
         if once:
             run_once(sweep)
             return

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from agentbus.admission.admission import Admission
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import Refusal
 from agentbus.admission.routing import Candidate
-from agentbus.catalog import Catalog
-from agentbus.config import Config, ConfigWatcher, Settings
+from agentbus.config import LiveConfig, Settings
 from agentbus.db import Database
 from agentbus.errors import ConfigError
 from agentbus.logging import get_logger
@@ -32,18 +30,15 @@ log = get_logger("agentbus.sweeper")
 MAX_ROUNDS = 1000  # batches per pass: a bound, far above what one pass meets
 
 
-@dataclass
 class Sweep:
-    db: Database
-    settings: Settings
-    catalog: Catalog
-    clock: Callable[[], float] = time.time
-    watcher: ConfigWatcher | None = None  # hot reload of the catalog and admission limits
-    queue: TaskQueue = field(init=False)
-    cooldowns: CooldownStore = field(init=False)
-    admission: Admission = field(init=False)
+    """What the jobs share: the database, the live config, the queue and admission."""
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self, db: Database, config: LiveConfig, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.db = db
+        self.config = config  # reloaded when its file changes (``resume`` looks)
+        self.clock = clock
         self.queue = TaskQueue(self.db, clock=self.clock, max_attempts=self.settings.max_attempts)
         # The sweeper reads the tables once at the start of each pass (``fresh``),
         # never from an older cache: a pass over 1,000 due tasks is not 1,000 reads.
@@ -52,7 +47,7 @@ class Sweep:
         )
         self.admission = Admission(
             self.db,
-            Config(self.settings, self.catalog, None),
+            config,
             worker="sweeper",
             cooldowns=self.cooldowns,
             environ=None,  # the sweeper needs no keys: workers check credentials
@@ -60,21 +55,18 @@ class Sweep:
             cache_sec=float("inf"),
         )
 
+    @property
+    def settings(self) -> Settings:
+        return self.config.settings
+
     def fresh(self) -> None:
         self.cooldowns.refresh()
         self.admission.refresh()
 
 
-def reload_if_changed(s: Sweep) -> None:
-    config = s.watcher.changed() if s.watcher is not None else None
-    if config is not None:
-        s.settings, s.catalog = config.settings, config.catalog
-        s.admission.configure(config)
-
-
 def resume(s: Sweep) -> dict[str, int]:
     """Re-queue due pauses that admission would let through; move the others' resume time."""
-    reload_if_changed(s)
+    s.config.refresh()
     s.fresh()
     counts = {"resumed": 0, "postponed": 0, "held": 0}
     batch = s.settings.sweep_batch

@@ -173,7 +173,6 @@ def test_fuzzed_task_rows_never_crash_the_worker(
     quick = Settings(call_retries=0, call_retry_wait_sec=0.001)
     cooldowns = CooldownStore(db)
     runner = Runner(
-        settings=quick,
         admission=Admission(
             db, Config(quick, Catalog(), None), worker="fuzz", cooldowns=cooldowns, environ={}
         ),

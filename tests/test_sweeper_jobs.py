@@ -7,8 +7,7 @@ import sqlalchemy as sa
 from structlog.testing import capture_logs
 
 from agentbus.admission.routing import Route
-from agentbus.catalog import Catalog
-from agentbus.config import Settings
+from agentbus.config import LiveConfig, Settings
 from agentbus.db import Database
 from agentbus.errors import TransitionRejected
 from agentbus.queue import reads
@@ -24,7 +23,7 @@ HOUR = 3600.0
 
 @pytest.fixture
 def sweep(db: Database, clock: FakeClock) -> jobs.Sweep:
-    return jobs.Sweep(db, Settings(), Catalog(), clock=clock)
+    return jobs.Sweep(db, LiveConfig.fixed(Settings()), clock=clock)
 
 
 def paused_task(
@@ -184,7 +183,7 @@ def test_a_heartbeat_keeps_the_task_and_stale_workers_go_after_rescue(
 
 
 def test_prune_deletes_old_finished_tasks_with_their_events(db: Database, clock: FakeClock) -> None:
-    s = jobs.Sweep(db, Settings(), Catalog(), clock=clock)
+    s = jobs.Sweep(db, LiveConfig.fixed(Settings()), clock=clock)
     ids = s.queue.enqueue_many(
         [TaskSpec(agent="a", command=str(i), models=("sim/a",)) for i in range(3)]
     )
@@ -200,7 +199,7 @@ def test_prune_deletes_old_finished_tasks_with_their_events(db: Database, clock:
         left = set(conn.execute(sa.select(task_events.c.task_id)).scalars())
     assert left == {live.id} and set(ids) - left == {done.id, failed.id}
     keep = jobs.Sweep(
-        db, Settings(done_retention_sec=0, failed_retention_sec=0), Catalog(), clock=clock
+        db, LiveConfig.fixed(Settings(done_retention_sec=0, failed_retention_sec=0)), clock=clock
     )
     s.queue.complete(live.id, live.claim_token)
     clock.advance(365 * 24 * HOUR)
@@ -240,7 +239,7 @@ def test_old_routing_history_and_spent_call_slots_are_purged(
     db: Database, clock: FakeClock
 ) -> None:
     s = jobs.Sweep(
-        db, Settings(route_retention_sec=3600, rpm_window_sec=60), Catalog(), clock=clock
+        db, LiveConfig.fixed(Settings(route_retention_sec=3600, rpm_window_sec=60)), clock=clock
     )
     task = s.queue.enqueue(TaskSpec(agent="a", command="x", models=("sim/a",)))
     (claimed,) = s.queue.claim("a", "w", 30)

@@ -8,7 +8,7 @@ import click
 
 from agentbus import cli
 from agentbus.catalog import NAME_RE
-from agentbus.config import load_config
+from agentbus.config import LiveConfig, load_config
 from agentbus.errors import ConfigError
 from agentbus.logging import configure, get_logger
 
@@ -111,7 +111,7 @@ def worker(
             max_tasks=max_tasks,
             batch=settings.claim_batch,
         )
-        runner = Worker(config, db, options, reload=lambda: load_config(config.path, overrides))
+        runner = Worker(LiveConfig(config), db, options)
         cli.on_stop_signals(runner.request_stop)
         runner.run()
     finally:

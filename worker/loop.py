@@ -14,13 +14,12 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from agentbus.admission.admission import Admission
 from agentbus.admission.budget import client_budget
 from agentbus.admission.cooldowns import CooldownStore
-from agentbus.config import Config, ConfigWatcher
+from agentbus.config import LiveConfig
 from agentbus.db import Database
 from agentbus.errors import TransitionRejected
 from agentbus.logging import get_logger
@@ -47,20 +46,15 @@ class Options:
 
 
 class Worker:
-    def __init__(
-        self,
-        config: Config,
-        db: Database,
-        options: Options,
-        reload: Callable[[], Config] | None = None,
-    ) -> None:
+    def __init__(self, config: LiveConfig, db: Database, options: Options) -> None:
         settings = config.settings
         self.options = options
         self.id = new_worker_id(options.agent)
         self.log = log.bind(worker=self.id)
         self.queue = TaskQueue(db, max_attempts=settings.max_attempts)
         self.registry = WorkerRegistry(db, self.id, options.agent)
-        self.providers = Providers(config.catalog, os.environ)
+        self.config = config
+        self.providers = Providers(config, os.environ)
         self.backoff_steps = settings.backoff_steps()
         cooldowns = CooldownStore(
             db,
@@ -84,10 +78,7 @@ class Worker:
             budget=budget,
             cache_sec=settings.cooldown_cache_sec,
         )
-        self.runner = Runner(
-            settings=settings, admission=self.admission, providers=self.providers, worker_id=self.id
-        )
-        self.watcher = ConfigWatcher(config, reload) if reload is not None else None
+        self.runner = Runner(admission=self.admission, providers=self.providers, worker_id=self.id)
         self.stopping = threading.Event()
         self._finished = threading.Event()
         self._last_beat = 0.0
@@ -169,17 +160,11 @@ class Worker:
         self._settle(task, result)
 
     def _reload_if_changed(self) -> None:
-        """Between calls: a changed config file is applied to admission and routing.
-        Windows, slots and circuits live on (rows keyed by name); calls in flight keep
-        their permits, so a lowered limit only holds new calls back."""
-        config = self.watcher.changed() if self.watcher is not None else None
-        if config is None:
-            return
-        self.admission.configure(config)
-        self.runner.settings = config.settings
-        old, self.providers = self.providers, Providers(config.catalog, os.environ)
-        self.runner.providers = self.providers
-        old.close()
+        """Between calls: a changed config file applies to admission, routing and the
+        providers (they read it from ``self.config``). Windows, slots and circuits live
+        on (rows keyed by name); calls in flight keep their permits, so a lowered limit
+        only holds new calls back. Process settings (lease, client budget) stay."""
+        self.config.refresh()
 
     def _watch(self) -> None:
         """The watchdog: renews the leases of held tasks while a call runs, and on

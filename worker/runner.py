@@ -66,17 +66,19 @@ class Runner:
     def __init__(
         self,
         *,
-        settings: Settings,
         admission: Admission,
         providers: Providers,
         worker_id: str,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.settings = settings
         self.admission = admission
         self.providers = providers
         self.worker_id = worker_id
         self.clock = clock
+
+    @property
+    def settings(self) -> Settings:
+        return self.admission.settings  # the live settings: a reload applies to the next task
 
     def run(self, task: Task) -> Run:
         if task.problem is not None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from agentbus import cli
-from agentbus.config import Settings
+from agentbus.config import Settings, load_config
 from agentbus.errors import BusError
 from agentbus.queue.states import TaskStatus
 
@@ -58,7 +58,7 @@ pass_ctx = click.make_pass_decorator(Context)
 @click.pass_context
 def busctl(ctx: click.Context, db_url: str | None, config_file: str | None) -> None:
     """Administer an agentbus queue: migrate, enqueue, inspect, retry."""
-    settings = Settings.load(config_file, {"database_url": db_url})
+    settings = load_config(config_file, {"database_url": db_url}).settings
     ctx.obj = Context(settings)
     ctx.call_on_close(lambda: ctx.obj._db.dispose() if ctx.obj._db else None)
 

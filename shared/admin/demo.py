@@ -26,6 +26,7 @@ from agentbus.admin import kpi
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.db import Database, migrate
 from agentbus.queue import TaskQueue, reads
+from agentbus.queue.states import TERMINAL, TaskStatus
 from agentbus.queue.tasks import TaskSpec
 
 AGENTS = ("codex", "analyst-macro", "ron")
@@ -137,8 +138,7 @@ class Demo:
         while True:
             counts = reads.counts(db)
             by_status = {
-                s: sum(n for (st, _), n in counts.items() if st == s)
-                for s in ("queued", "claimed", "paused", "done", "failed", "error")
+                s.value: sum(n for (st, _), n in counts.items() if st == s) for s in TaskStatus
             }
             now = time.time()
             cooling = (
@@ -159,7 +159,7 @@ class Demo:
                 self.echo(line)
                 last_line = now
             dead = [c for c in self.children if c.poll() is not None]
-            done = by_status["done"] + by_status["failed"] + by_status["error"] == total
+            done = sum(by_status[s] for s in TERMINAL) == total
             if done or dead or now - started > self.plan.timeout:
                 if tty:
                     sys.stdout.write("\n")
@@ -185,10 +185,10 @@ class Demo:
     def _report(self, db: Database, finished: bool, total: int) -> int:
         kpis = kpi.compute(db)
         counts = reads.counts(db)
-        done = sum(n for (status, _), n in counts.items() if status == "done")
+        done = sum(n for (status, _), n in counts.items() if status == TaskStatus.DONE)
+        failed = sum(n for (status, _), n in counts.items() if status == TaskStatus.FAILED)
         self.echo(
-            f"\n{done} of {total} tasks done, "
-            f"{sum(n for (s, _), n in counts.items() if s == 'failed')} failed; "
+            f"\n{done} of {total} tasks done, {failed} failed; "
             f"{kpis[0].numerator} paused on a cooldown instead of failing, "
             f"{kpis[1].denominator} resumed by the sweeper\n"
         )

@@ -16,6 +16,7 @@ from agentbus.admission.cooldowns import CooldownStore
 from agentbus.config import Settings
 from agentbus.db import Database
 from agentbus.queue import reads
+from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_commands as t
 from agentbus.schema import bus_events, route_log, task_events, workers
 
@@ -43,6 +44,7 @@ def snapshot(db: Database, settings: Settings, now: float | None = None) -> dict
     return {
         "now": now,
         "budget": budget.snapshot(),
+        "statuses": [s.value for s in TaskStatus],  # every task state, in lifecycle order
         "queue": queue,
         "totals": totals,
         **doc,
@@ -72,7 +74,7 @@ def snapshot(db: Database, settings: Settings, now: float | None = None) -> dict
 def _tables(conn: Connection, now: float) -> dict[str, Any]:
     paused = conn.execute(
         sa.select(t.c.id, t.c.agent, t.c.resume_after, t.c.pause_reason, t.c.pause_model)
-        .where(t.c.status == "paused")
+        .where(t.c.status == TaskStatus.PAUSED)
         .order_by(t.c.resume_after)
         .limit(DUE_SOON)
     ).all()
@@ -84,13 +86,13 @@ def _tables(conn: Connection, now: float) -> dict[str, Any]:
     ).all()
     moves = conn.execute(
         sa.select(
-            sa.func.sum(sa.case((task_events.c.to_status == "paused", 1), else_=0)),
+            sa.func.sum(sa.case((task_events.c.to_status == TaskStatus.PAUSED, 1), else_=0)),
             sa.func.sum(
                 sa.case(
                     (
                         sa.and_(
-                            task_events.c.from_status == "paused",
-                            task_events.c.to_status == "queued",
+                            task_events.c.from_status == TaskStatus.PAUSED,
+                            task_events.c.to_status == TaskStatus.QUEUED,
                         ),
                         1,
                     ),

@@ -30,7 +30,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from agentbus.admission.budget import ClientBudget, Reserve
-from agentbus.admission.circuit import CircuitStore, circuit_rules
+from agentbus.admission.circuit import CircuitStore
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import (
     SLOT_CODES,
@@ -45,7 +45,8 @@ from agentbus.admission.gates import (
 )
 from agentbus.admission.limits import Limits
 from agentbus.admission.routing import Candidate, Resolution, fingerprint, resolve
-from agentbus.config import Config
+from agentbus.catalog import Catalog
+from agentbus.config import Config, LiveConfig, Settings
 from agentbus.db import Database
 from agentbus.logging import get_logger
 from agentbus.providers.outcomes import AuthFailed, Outcome, RateLimited, TimedOut, Usage
@@ -97,7 +98,7 @@ class Admission:
     def __init__(
         self,
         db: Database,
-        config: Config,
+        config: Config | LiveConfig,
         *,
         worker: str,
         cooldowns: CooldownStore,
@@ -117,14 +118,18 @@ class Admission:
         self.cache_sec = cache_sec
         self._read_at: float | None = None
         self._unusable: set[tuple[str, str, str]] = set()
-        self.circuits = CircuitStore(worker, circuit_rules(config.settings))
-        self.configure(config)
+        # A reloaded config applies at the next call: windows, slots and circuits
+        # live on in the database, keyed by the names the config gives.
+        self.live = config if isinstance(config, LiveConfig) else LiveConfig(config, watch=False)
+        self.circuits = CircuitStore(worker, lambda: self.settings)
 
-    def configure(self, config: Config) -> None:
-        """Take a (re)loaded config; counters, windows and circuits live on in the database."""
-        self.catalog = config.catalog
-        self.settings = config.settings
-        self.circuits.rules = circuit_rules(config.settings)
+    @property
+    def catalog(self) -> Catalog:
+        return self.live.catalog
+
+    @property
+    def settings(self) -> Settings:
+        return self.live.settings
 
     # -- resolving -----------------------------------------------------------
 

@@ -5,6 +5,7 @@ release transaction (which holds the admission lock)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
@@ -32,10 +33,14 @@ def circuit_rules(s: Settings) -> CircuitRules:
 
 
 class CircuitStore:
-    def __init__(self, worker: str, rules: CircuitRules) -> None:
+    def __init__(self, worker: str, settings: Callable[[], Settings]) -> None:
         self.worker = worker
-        self.rules = rules
+        self._settings = settings  # the live settings: a reload changes the rules
         self._cache: dict[str, tuple[str, Circuit]] = {}  # provider -> (endpoint, state)
+
+    @property
+    def rules(self) -> CircuitRules:
+        return circuit_rules(self._settings())
 
     # -- reading -------------------------------------------------------------
 

@@ -18,12 +18,14 @@ from sqlalchemy.engine import Connection
 
 from agentbus.db import Database
 from agentbus.logging import get_logger
+from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_events, task_events
 
 log = get_logger("agentbus.events")
 WORKSPACE = "workspace"
 SESSION = "session"
 TASK_KINDS = ("paused", "resumed", "demoted")
+PAUSED = TaskStatus.PAUSED
 
 
 def emit(
@@ -59,14 +61,14 @@ def recent(
         if wanted:
             e = task_events
             kind = sa.case(
-                (e.c.to_status == "paused", "paused"),
+                (e.c.to_status == PAUSED, "paused"),
                 (e.c.reason == "demoted", "demoted"),
                 else_="resumed",
             )
             conditions = {
-                "paused": e.c.to_status == "paused",
-                "resumed": sa.and_(e.c.from_status == "paused", e.c.to_status == "queued"),
-                "demoted": sa.and_(e.c.from_status == "paused", e.c.reason == "demoted"),
+                "paused": e.c.to_status == PAUSED,
+                "resumed": sa.and_(e.c.from_status == PAUSED, e.c.to_status == TaskStatus.QUEUED),
+                "demoted": sa.and_(e.c.from_status == PAUSED, e.c.reason == "demoted"),
             }
             q2 = (
                 sa.select(e.c.id, e.c.at, kind.label("kind"), e.c.task_id, e.c.reason, e.c.worker)

@@ -12,19 +12,36 @@ simulation script), which fails the task with that reason.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentbus.catalog import Catalog
 from agentbus.providers.base import Provider
 
+if TYPE_CHECKING:
+    from agentbus.config import LiveConfig
+
 
 class Providers:
-    """Finds (and keeps) the provider that serves each model."""
+    """Finds (and keeps) the provider that serves each model.
 
-    def __init__(self, catalog: Catalog, environ: Mapping[str, str]) -> None:
-        self.catalog = catalog
+    Given a ``LiveConfig``, a reloaded catalog makes the providers anew (the old
+    ones are closed) the next time a model is looked up.
+    """
+
+    def __init__(self, catalog: Catalog | LiveConfig, environ: Mapping[str, str]) -> None:
+        self._source = catalog
         self.environ = environ
         self._made: dict[str, Provider] = {}
+        self._made_for = catalog if isinstance(catalog, Catalog) else catalog.catalog
+
+    @property
+    def catalog(self) -> Catalog:
+        source = self._source
+        catalog = source if isinstance(source, Catalog) else source.catalog
+        if catalog is not self._made_for and self._made:
+            self.close()  # made from a catalog that was replaced since
+        self._made_for = catalog
+        return catalog
 
     def for_model(self, model: str) -> tuple[Provider, str]:
         """The provider of ``model`` and the name that provider knows it by."""
@@ -53,7 +70,7 @@ class Providers:
         return SimulatedProvider(journal=self.environ.get("AGENTBUS_SIM_JOURNAL") or None)
 
     def _configured(self, name: str) -> Provider:
-        config = self.catalog.providers[name]
+        config = self._made_for.providers[name]
         if config.kind == "openai":
             from agentbus.providers.openai import OpenAIProvider
 
@@ -63,7 +80,8 @@ class Providers:
         return CommandProvider(config)
 
     def close(self) -> None:
-        for provider in self._made.values():
+        made, self._made = self._made, {}
+        for provider in made.values():
             close = getattr(provider, "close", None)
             if close is not None:
                 close()

@@ -99,8 +99,9 @@ class QueueBase:
         if row is None:
             return TransitionRejected(task_id, action, expected, None, token)
         actual = row.status
-        if token is not None and row.status == "claimed" and row.claim_token != token:
+        claimed = row.status == TaskStatus.CLAIMED
+        if token is not None and claimed and row.claim_token != token:
             actual = f"claimed under token {row.claim_token}"
-        elif lease_checked_at is not None and row.status == "claimed":
+        elif lease_checked_at is not None and claimed:
             actual = f"claimed with {(row.lease_until or 0) - lease_checked_at:.1f}s of lease left"
         return TransitionRejected(task_id, action, expected, actual, token)

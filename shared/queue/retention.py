@@ -14,9 +14,12 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.db import Database
+from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_commands as t
 from agentbus.schema import cooldown_history, route_log
 from agentbus.schema import task_events as ev
+
+DONE, FAILED, ERROR = TaskStatus.DONE, TaskStatus.FAILED, TaskStatus.ERROR
 
 
 def prune(
@@ -31,7 +34,8 @@ def prune(
 ) -> int:
     """Delete old finished tasks (and their events); returns how many tasks went."""
     total = 0
-    for statuses, keep in ((("done",), done_sec), (("failed", "error"), failed_sec)):
+    finished = ((DONE,), done_sec), ((FAILED, ERROR), failed_sec)
+    for statuses, keep in finished:
         if keep <= 0:
             continue
         cutoff = now - keep
@@ -55,7 +59,7 @@ def prune(
 
 
 def _delete_batch(
-    statuses: tuple[str, ...], cutoff: float, batch: int
+    statuses: tuple[TaskStatus, ...], cutoff: float, batch: int
 ) -> Callable[[Connection], int]:
     def work(conn: Connection) -> int:
         ids = (

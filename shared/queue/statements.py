@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.dml import Update
 
-from agentbus.queue.states import TRANSITIONS
+from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.schema import bus_commands as t
 
 
@@ -98,6 +98,12 @@ _CLAIMED_CHANGES: dict[str, Mapping[str, Any]] = {
 }
 
 
+def _source(action: str) -> TaskStatus:
+    """The one state an action moves a task from."""
+    (source,), _ = TRANSITIONS[action]
+    return source
+
+
 def _claimed_statement(action: str) -> Update:
     (source,), target = TRANSITIONS[action]
     guard = [t.c.id == P_ID, t.c.status == source.value, t.c.claim_token == P_TOKEN]
@@ -115,13 +121,13 @@ SETTLE: dict[str, Update] = {action: _claimed_statement(action) for action in _C
 
 HEARTBEAT = (
     sa.update(t)
-    .where(t.c.id == P_ID, t.c.status == "claimed", t.c.claim_token == P_TOKEN)
+    .where(t.c.id == P_ID, t.c.status == TaskStatus.CLAIMED, t.c.claim_token == P_TOKEN)
     .values(lease_until=P_LEASE)
 )
 
 POSTPONE = (
     sa.update(t)
-    .where(t.c.id == P_ID, t.c.status == "paused")
+    .where(t.c.id == P_ID, t.c.status == TaskStatus.PAUSED)
     .values(resume_after=_p("p_resume_after", sa.Float), pause_reason=_p("p_reason"))
 )
 
@@ -130,9 +136,9 @@ _IDS: Any = sa.bindparam("p_ids", expanding=True)
 #: action -> UPDATE … WHERE id IN (…) AND status = source RETURNING id (sweeper moves).
 MOVE_MANY: dict[str, Update] = {
     "resume": sa.update(t)
-    .where(t.c.id.in_(_IDS), t.c.status == "paused")
+    .where(t.c.id.in_(_IDS), t.c.status == _source("resume"))
     .values(
-        status="queued",
+        status=TRANSITIONS["resume"][1],
         updated_at=P_NOW,
         resume_after=None,
         resume_count=t.c.resume_count + 1,
@@ -140,9 +146,9 @@ MOVE_MANY: dict[str, Update] = {
     )
     .returning(t.c.id),
     "demote": sa.update(t)
-    .where(t.c.id.in_(_IDS), t.c.status == "paused")
+    .where(t.c.id.in_(_IDS), t.c.status == _source("demote"))
     .values(
-        status="failed",
+        status=TRANSITIONS["demote"][1],
         updated_at=P_NOW,
         result_note=_p("p_error"),
         last_error=_p("p_error"),
@@ -156,7 +162,7 @@ def claim_statement(dialect: str) -> Update:
     """Claim up to ``p_limit`` due queued tasks of ``p_agent`` in one statement."""
     picked = (
         sa.select(t.c.id)
-        .where(t.c.status == "queued", t.c.agent == P_AGENT, t.c.run_after <= P_NOW)
+        .where(t.c.status == _source("claim"), t.c.agent == P_AGENT, t.c.run_after <= P_NOW)
         .order_by(t.c.priority.desc(), t.c.id)
         .limit(P_LIMIT)
     )
@@ -168,9 +174,9 @@ def claim_statement(dialect: str) -> Update:
         match = t.c.id.in_(picked.scalar_subquery())
     return (
         sa.update(t)
-        .where(match, t.c.status == "queued")
+        .where(match, t.c.status == _source("claim"))
         .values(
-            status="claimed",
+            status=TRANSITIONS["claim"][1],
             claim_token=t.c.claim_token + 1,
             claimed_by=P_WORKER,
             claimed_at=P_NOW,
@@ -203,8 +209,12 @@ def _complete_many_postgres() -> Update:
     }
     return (
         sa.update(t)
-        .where(t.c.id == batch.c.v_id, t.c.claim_token == batch.c.v_token, t.c.status == "claimed")
-        .values(status="done", updated_at=P_NOW, **changes)
+        .where(
+            t.c.id == batch.c.v_id,
+            t.c.claim_token == batch.c.v_token,
+            t.c.status == _source("complete"),
+        )
+        .values(status=TRANSITIONS["complete"][1], updated_at=P_NOW, **changes)
         .returning(t.c.id)
     )
 

@@ -44,6 +44,8 @@ from agentbus.queue.sweeps import SweepOps
 from agentbus.queue.tasks import Task, TaskSpec
 from agentbus.schema import bus_commands as t
 
+QUEUED = TaskStatus.QUEUED
+
 __all__ = ["Clock", "Enqueued", "Settlement", "TaskQueue"]
 
 
@@ -73,7 +75,7 @@ class TaskQueue(SweepOps):
                         sa.select(t.c.id).where(t.c.idempotency_key == spec.key)
                     ).scalar_one()
                     return Enqueued(int(existing), created=False)
-            events.record(conn, [events.event(new_id, None, "queued", now, reason="enqueue")])
+            events.record(conn, [events.event(new_id, None, QUEUED, now, reason="enqueue")])
             return Enqueued(int(new_id), created=True)
 
         return self.db.write(work)
@@ -94,9 +96,7 @@ class TaskQueue(SweepOps):
                 sa.insert(t).returning(t.c.id, sort_by_parameter_order=True), rows
             )
             ids = [int(i) for i in result.scalars()]
-            events.record(
-                conn, (events.event(i, None, "queued", now, reason="enqueue") for i in ids)
-            )
+            events.record(conn, (events.event(i, None, QUEUED, now, reason="enqueue") for i in ids))
             return ids
 
         return self.db.write(work) if specs else []
@@ -139,8 +139,8 @@ class TaskQueue(SweepOps):
                 [
                     events.event(
                         row["id"],
-                        "queued",
-                        "claimed",
+                        TaskStatus.QUEUED,
+                        TaskStatus.CLAIMED,
                         now,
                         worker=worker,
                         claim_token=row["claim_token"],
