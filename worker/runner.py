@@ -25,16 +25,8 @@ from agentbus.admission.routing import Candidate, Route
 from agentbus.config import Settings
 from agentbus.errors import ConfigError
 from agentbus.logging import get_logger
-from agentbus.providers import CallRequest, Provider, Providers
-from agentbus.providers.outcomes import (
-    AuthFailed,
-    Failed,
-    Outcome,
-    RateLimited,
-    Succeeded,
-    TimedOut,
-    name_of,
-)
+from agentbus.providers import CallRequest, Provider, Providers, outcomes
+from agentbus.providers.outcomes import Outcome
 from agentbus.queue.decisions import Decision, Fail, Settlement
 from agentbus.queue.tasks import InvalidTask, Task
 from agentbus.worker import policy
@@ -140,11 +132,11 @@ class Runner:
                 )
             )
             match outcome:
-                case Succeeded(text=text, usage=usage):
+                case outcomes.Succeeded(text=text, usage=usage):
                     log.debug("call_ok", task_id=task.id, candidate=candidate.key)
                     run.decision = policy.Complete(text, candidate.model, usage)
                     return run
-                case RateLimited() | TimedOut():
+                case outcomes.RateLimited() | outcomes.TimedOut():
                     assert cooled is not None
                     blocked[candidate.key] = run.cooled[cooled.key] = cooled.until
                     log.info(
@@ -154,7 +146,7 @@ class Runner:
                         until=round(cooled.until, 3),
                         detail=outcome.detail,
                     )
-                case AuthFailed(detail=detail):
+                case outcomes.AuthFailed(detail=detail):
                     log.warning(
                         "credential_refused",
                         task_id=task.id,
@@ -162,7 +154,7 @@ class Runner:
                         detail=detail,
                     )
                     refused.append(f"{candidate.key}: {detail}")
-                case Failed():
+                case outcomes.Failed():
                     log.info(
                         "call_failed",
                         task_id=task.id,
@@ -189,19 +181,19 @@ class Runner:
         gates: dict[str, Any] | None = None,
         cooldown_until: float | None = None,
     ) -> Route:
-        usage = outcome.usage if isinstance(outcome, Succeeded) else None
+        usage = outcome.usage if isinstance(outcome, outcomes.Succeeded) else None
         if refusal is not None and refusal.code is Code.COOLDOWN:
             cooldown_until = refusal.retry_after
         return Route(
-            task_id=task.id,
-            claim_token=task.claim_token,
-            agent=task.agent,
+            task.id,
+            task.claim_token,
+            task.agent,
+            c.model,
+            decision,
+            at,
             worker=self.worker_id,
-            model=c.model,
-            decision=decision,
-            outcome=name_of(outcome).value if outcome is not None else None,
+            outcome=outcomes.name_of(outcome).value if outcome is not None else None,
             cooldown_until=cooldown_until,
-            at=at,
             role=c.role,
             fallback_from=c.fallback_from,
             provider=c.provider,
@@ -229,7 +221,7 @@ class Runner:
         )
         outcome = provider.call(request)
         if (
-            not (isinstance(outcome, Failed) and outcome.retryable)
+            not (isinstance(outcome, outcomes.Failed) and outcome.retryable)
             or not self.settings.call_retries
         ):
             return outcome
@@ -237,7 +229,9 @@ class Runner:
         wait = self.settings.call_retry_wait_sec
         time.sleep(wait)
         retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_result(lambda o: isinstance(o, Failed) and o.retryable),
+            retry=tenacity.retry_if_result(
+                lambda o: isinstance(o, outcomes.Failed) and o.retryable
+            ),
             stop=tenacity.stop_after_attempt(self.settings.call_retries),
             wait=tenacity.wait_exponential(multiplier=2 * wait),
             retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,

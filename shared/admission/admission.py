@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 import tenacity
@@ -79,8 +79,7 @@ class Permit:
             self.admission.finish(self, None)
 
 
-@dataclass(frozen=True)
-class Cooled:
+class Cooled(NamedTuple):
     """What a cooling answer put in cooldown (``model`` or ``model@account``), and until when."""
 
     key: str

@@ -5,35 +5,15 @@ tables, one ``ConfigError`` line per problem. ``parse`` imports ``model``, never
 the other way round.
 """
 
-from agentbus.catalog.model import (
-    IMPLICIT_SIM,
-    NAME_RE,
-    PROVIDER_KINDS,
-    SIM_PROVIDER,
-    SIMULATED_PREFIX,
-    AccountConfig,
-    AgentConfig,
-    CandidateSpec,
-    Catalog,
-    ModelConfig,
-    ProviderConfig,
-    RoleConfig,
-)
+from agentbus.catalog.model import NAME_RE, AccountConfig, CandidateSpec, Catalog, ProviderConfig
 from agentbus.catalog.parse import SECTIONS, parse_catalog
 
 __all__ = [
-    "IMPLICIT_SIM",
     "NAME_RE",
-    "PROVIDER_KINDS",
     "SECTIONS",
-    "SIMULATED_PREFIX",
-    "SIM_PROVIDER",
     "AccountConfig",
-    "AgentConfig",
     "CandidateSpec",
     "Catalog",
-    "ModelConfig",
     "ProviderConfig",
-    "RoleConfig",
     "parse_catalog",
 ]

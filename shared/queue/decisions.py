@@ -20,14 +20,14 @@ ALL_COOLING = "all candidate models are cooling down"
 ALL_REFUSED = "no candidate is admitted now"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Complete:
     result: str | None
     model: str | None = None
     usage: Usage = field(default_factory=Usage)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Pause:
     """Every candidate is temporarily unusable: not a failure, no attempt spent."""
 
@@ -40,7 +40,7 @@ class Pause:
     cooldown: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Requeue:
     """A retryable failure: the attempt is spent; try again at ``run_after``."""
 
@@ -48,7 +48,7 @@ class Requeue:
     error: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Fail:
     """The work cannot succeed."""
 
@@ -56,14 +56,14 @@ class Fail:
     spend_attempt: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Crash:
     """An exception in handler or worker code: the task goes to ``error``."""
 
     error: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Release:
     """Give the claim back untouched (shutdown): no attempt spent."""
 
@@ -73,7 +73,7 @@ class Release:
 Decision = Complete | Pause | Requeue | Fail | Crash | Release
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Settlement:
     """One claim (``task_id`` held under ``token``) and what becomes of it.
 
