@@ -25,6 +25,9 @@ Workload (per backend):
   (each still a guarded UPDATE plus its event row).
   The rate is T divided by the time from "go" to the last process finishing.
 
+- start-up: each console command run 10 times from exec to exit (--help,
+  --version, an enqueue and a status on SQLite); median and max.
+
 Durability: SQLite in WAL mode with synchronous=FULL (every commit survives
 power loss) unless --sqlite-synchronous says otherwise; Postgres with its
 defaults (fsync on, synchronous_commit on).
@@ -401,6 +404,46 @@ def bench_admission(db: Database, calls: int) -> list[tuple[str, str]]:
     return rows
 
 
+def bench_startup(runs: int) -> list[tuple[str, ...]]:
+    """Wall time of a command from exec to exit, median and max of ``runs``: what a
+    user waits for at the prompt (the interpreter, imports, the command's work)."""
+    bin_dir = Path(sys.executable).parent
+    with tempfile.TemporaryDirectory() as tmp:
+        url = f"sqlite:///{tmp}/startup.db"
+        subprocess.run(
+            [str(bin_dir / "busctl"), "--db", url, "migrate"], check=True, capture_output=True
+        )
+        commands = {
+            "busctl --help": ["busctl", "--help"],
+            "worker --help": ["worker", "--help"],
+            "sweeper --help": ["sweeper", "--help"],
+            "busctl --version": ["busctl", "--version"],
+            "busctl enqueue (SQLite)": [
+                "busctl",
+                "--db",
+                url,
+                "enqueue",
+                "--agent",
+                "a",
+                "--models",
+                "sim/a",
+                "hello",
+            ],
+            "busctl status (SQLite)": ["busctl", "--db", url, "status"],
+        }
+        rows: list[tuple[str, ...]] = []
+        for label, argv in commands.items():
+            times = []
+            for _ in range(runs):
+                started = time.perf_counter()
+                subprocess.run([str(bin_dir / argv[0]), *argv[1:]], check=True, capture_output=True)
+                times.append(time.perf_counter() - started)
+            times.sort()
+            median = times[len(times) // 2]
+            rows.append((label, f"{median * 1000:,.0f} ms", f"{times[-1] * 1000:,.0f} ms"))
+    return rows
+
+
 def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     db = Database(url, sqlite_synchronous=args.sqlite_synchronous)
     rows = bench_enqueue(TaskQueue(db), args.single, args.tasks * 2)
@@ -427,6 +470,8 @@ def main() -> None:
     parser.add_argument("--paused", default="10000,100000", help="paused tasks per sweep pass")
     parser.add_argument("--admissions", type=int, default=1000, help="admissions timed")
     parser.add_argument("--sqlite-synchronous", default="FULL")
+    parser.add_argument("--startup-runs", type=int, default=10, help="runs per start-up figure")
+    parser.add_argument("--startup-only", action="store_true", help="only the start-up table")
     parser.add_argument(
         "--compare-tasks",
         type=int,
@@ -436,6 +481,13 @@ def main() -> None:
     args = parser.parse_args()
     configure(level="WARNING")  # the figures, not the jobs' chatter
 
+    print_table(
+        [f"command (start to exit, {args.startup_runs} runs)", "median", "max"],
+        bench_startup(args.startup_runs),
+    )
+    print()
+    if args.startup_only:
+        return
     rows: list[tuple[str, str, str]] = []
     for backend in args.backends.split(","):
         with database(backend, args.sqlite_synchronous) as url:
