@@ -4,6 +4,10 @@ they adopt the older system's bus_commands table in place."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -230,3 +234,24 @@ def test_claim_and_due_queries_are_index_range_scans(db: Database) -> None:
         assert "SCAN bus_commands" not in plan.replace("USING INDEX", "")
         assert "Seq Scan" not in plan
         assert "TEMP B-TREE" not in plan  # the index gives the order: no sort
+
+
+def test_alembic_upgrade_head_from_the_checkout(empty_db_url: str) -> None:
+    """`alembic upgrade head` in the repository does what `busctl migrate` does."""
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("alembic")), "upgrade", "head"],
+        cwd=root,
+        env={**env, "AGENTBUS_DATABASE_URL": empty_db_url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    db = Database(empty_db_url)
+    try:
+        assert db.current_revision() == HEAD
+        assert schema_diff(db) == []
+    finally:
+        db.dispose()
