@@ -234,6 +234,19 @@ def test_settle_many_reports_superseded_claims(queue: TaskQueue) -> None:
     assert queue.settle_many([]) == []
 
 
+def test_a_claim_settled_twice_is_rejected_the_second_time(queue: TaskQueue) -> None:
+    """Also in a batch, and at the same instant (the injected clock stands still)."""
+    queue.enqueue_many([spec(text=str(i)) for i in range(3)])
+    first, second, third = queue.claim("codex", "w1", 30, limit=3)
+    queue.complete(first.id, first.claim_token, "once")
+    items = [Settlement(t.id, t.claim_token, Complete("again")) for t in (first, second, third)]
+    lost = queue.settle_many(items, worker="w1")
+    assert [(r.task_id, r.actual) for r in lost] == [(first.id, "done")]
+    assert [queue.get(t.id).result for t in (first, second, third)] == ["once", "again", "again"]
+    again = queue.settle_many(items[1:], worker="w1")
+    assert [(r.task_id, r.actual) for r in again] == [(second.id, "done"), (third.id, "done")]
+
+
 def test_reentry_counts_repeat_pauses_on_the_same_model(queue: TaskQueue, clock: FakeClock) -> None:
     """A resumed task that pauses again on the same model: reentry_count rises."""
     task_id = queue.enqueue(spec()).id

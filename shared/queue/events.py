@@ -14,6 +14,9 @@ from sqlalchemy.engine import Connection
 
 from agentbus.admission import usage
 from agentbus.admission.routing import Route
+from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
+from agentbus.queue.statements import action_of
+from agentbus.queue.states import TRANSITIONS
 from agentbus.schema import route_log, task_events
 
 
@@ -72,3 +75,43 @@ def record_routes(conn: Connection, routes: Iterable[Route]) -> None:
     if batch:
         conn.execute(sa.insert(route_log), [r.row() for r in batch])
         usage.record(conn, batch)
+
+
+def for_settlement(item: Settlement, worker: str | None, now: float) -> dict[str, Any]:
+    """The event row of a settlement: the transition, its reason and what it carried."""
+    d = item.decision
+    detail: dict[str, Any] = {}
+    match d:
+        case Complete(model=model, usage=usage) if model is not None:
+            reason = "done"
+            usage_detail = {
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+            }
+            detail = {"model": model, "usage": usage_detail}
+        case Complete():
+            reason = "done"
+        case Pause():
+            reason = d.reason
+            detail = {"resume_after": d.resume_after, "model": d.model}
+            if d.cooling:
+                detail["cooling"] = dict(d.cooling)
+        case Requeue(run_after=run_after, error=error):
+            reason, detail = "retry", {"error": error, "run_after": run_after}
+        case Fail(reason=why):
+            reason = why
+        case Crash(error=error):
+            reason, detail = "error", {"error": error}
+        case Release(reason=why):
+            reason = why
+    (source,), target = TRANSITIONS[action_of(d)]
+    return event(
+        item.task_id,
+        source.value,
+        target.value,
+        now,
+        reason=reason,
+        worker=worker,
+        claim_token=item.token,
+        detail={**detail, **(item.detail or {})} or None,
+    )

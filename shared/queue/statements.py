@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.dml import Update
 
+from agentbus.queue.decisions import Complete, Crash, Decision, Fail, Pause, Release, Requeue
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.schema import bus_commands as t
 
@@ -220,3 +221,43 @@ def _complete_many_postgres() -> Update:
 
 
 COMPLETE_MANY_POSTGRES = _complete_many_postgres()
+
+
+def action_of(decision: Decision) -> str:
+    """The transition (a key of ``TRANSITIONS``) a decision makes."""
+    match decision:
+        case Complete():
+            return "complete"
+        case Pause():
+            return "pause"
+        case Requeue():
+            return "requeue"
+        case Fail():
+            return "fail"
+        case Crash():
+            return "error"
+        case Release():
+            return "release"
+
+
+def settle_params(decision: Decision) -> tuple[str, dict[str, Any]]:
+    """The transition a decision makes and its statement's parameters."""
+    match decision:
+        case Complete(result=result, model=model):
+            note = f"model={model}" if model is not None else None
+            return "complete", {"p_result": result, "p_note": note}
+        case Pause():
+            return "pause", {
+                "p_resume_after": decision.resume_after,
+                "p_reason": decision.reason,
+                "p_model": decision.model,
+                "p_reentry": decision.cooldown,
+            }
+        case Requeue(run_after=run_after, error=error):
+            return "requeue", {"p_run_after": run_after, "p_error": error}
+        case Fail(reason=reason, spend_attempt=spend):
+            return "fail", {"p_error": reason, "p_spend": int(spend)}
+        case Crash(error=error):
+            return "error", {"p_error": error}
+        case Release():
+            return "release", {}

@@ -28,17 +28,14 @@ from agentbus.admission.routing import Route
 from agentbus.errors import TaskNotFound, TransitionRejected
 from agentbus.queue import events, reads
 from agentbus.queue.base import Clock, text_safe
-from agentbus.queue.decisions import (
-    Complete,
-    Crash,
-    Decision,
-    Fail,
-    Pause,
-    Release,
-    Requeue,
-    Settlement,
+from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
+from agentbus.queue.statements import (
+    COMPLETE_MANY_POSTGRES,
+    HEARTBEAT,
+    SETTLE,
+    action_of,
+    settle_params,
 )
-from agentbus.queue.statements import COMPLETE_MANY_POSTGRES, HEARTBEAT, SETTLE
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.queue.sweeps import SweepOps
 from agentbus.queue.tasks import Task, TaskSpec
@@ -193,15 +190,15 @@ class TaskQueue(SweepOps):
             for item in items:
                 if isinstance(item.decision, Complete):
                     continue
-                action, params = _statement(item.decision)
+                action, params = settle_params(item.decision)
                 full = {"p_id": item.task_id, "p_token": item.token, "p_now": now, **params}
                 if conn.execute(SETTLE[action], text_safe(full)).rowcount == 1:
                     settled.add(item.task_id)
             done = [i for i in items if i.task_id in settled]
-            events.record(conn, [_event(i, worker, now) for i in done])
+            events.record(conn, [events.for_settlement(i, worker, now) for i in done])
             events.record_routes(conn, [route for i in done for route in i.routes])
             return [
-                self._rejection(conn, i.task_id, _action(i.decision), i.token)
+                self._rejection(conn, i.task_id, action_of(i.decision), i.token)
                 for i in items
                 if i.task_id not in settled
             ]
@@ -212,7 +209,7 @@ class TaskQueue(SweepOps):
         """Complete claims in one statement; returns the ids whose claim held."""
         if not items:
             return set()
-        rows = [(i.task_id, i.token, _statement(i.decision)[1]) for i in items]
+        rows = [(i.task_id, i.token, settle_params(i.decision)[1]) for i in items]
         if self.db.dialect == "postgresql":
             params = {
                 "p_ids": [task_id for task_id, _, _ in rows],
@@ -226,15 +223,24 @@ class TaskQueue(SweepOps):
             {"p_id": task_id, "p_token": token, "p_now": now, **text_safe(p)}
             for task_id, token, p in rows
         ]
-        if conn.execute(SETTLE["complete"], batch).rowcount == len(items):
-            return {i.task_id for i in items}  # one executemany: every claim held
-        tokens = {i.task_id: i.token for i in items}  # some claim was lost: which rows moved
-        finished = conn.execute(
-            sa.select(t.c.id, t.c.claim_token).where(
-                t.c.id.in_(list(tokens)), t.c.status == TaskStatus.DONE, t.c.updated_at == now
+        if len(batch) == 1:  # one claim: the guarded UPDATE's row count says it all
+            moved = conn.execute(SETTLE["complete"], batch[0]).rowcount == 1
+            return {items[0].task_id} if moved else set()
+        # SQLite: this transaction holds the write lock (BEGIN IMMEDIATE), so the claims
+        # still held now are exactly those the guarded executemany completes.
+        tokens = {i.task_id: i.token for i in items}
+        held = {
+            task_id
+            for task_id, token in conn.execute(
+                sa.select(t.c.id, t.c.claim_token).where(
+                    t.c.id.in_(list(tokens)), t.c.status == TaskStatus.CLAIMED
+                )
             )
-        ).all()
-        return {i for i, token in finished if tokens[i] == token}
+            if tokens[task_id] == token
+        }
+        if held:
+            conn.execute(SETTLE["complete"], [b for b in batch if b["p_id"] in held])
+        return held
 
     # Named shorthands of ``settle`` (tests, scripts, operators): each raises
     # TransitionRejected when the claim was lost.
@@ -353,83 +359,3 @@ class TaskQueue(SweepOps):
     def get(self, task_id: int) -> Task:
         """The task as stored now (raises TaskNotFound)."""
         return reads.get_task(self.db, task_id)
-
-
-def _action(decision: Decision) -> str:
-    """The transition (a key of ``TRANSITIONS``) a decision makes."""
-    match decision:
-        case Complete():
-            return "complete"
-        case Pause():
-            return "pause"
-        case Requeue():
-            return "requeue"
-        case Fail():
-            return "fail"
-        case Crash():
-            return "error"
-        case Release():
-            return "release"
-
-
-def _statement(decision: Decision) -> tuple[str, dict[str, Any]]:
-    """The transition a decision makes and its statement's parameters."""
-    match decision:
-        case Complete(result=result, model=model):
-            note = f"model={model}" if model is not None else None
-            return "complete", {"p_result": result, "p_note": note}
-        case Pause():
-            return "pause", {
-                "p_resume_after": decision.resume_after,
-                "p_reason": decision.reason,
-                "p_model": decision.model,
-                "p_reentry": decision.cooldown,
-            }
-        case Requeue(run_after=run_after, error=error):
-            return "requeue", {"p_run_after": run_after, "p_error": error}
-        case Fail(reason=reason, spend_attempt=spend):
-            return "fail", {"p_error": reason, "p_spend": int(spend)}
-        case Crash(error=error):
-            return "error", {"p_error": error}
-        case Release():
-            return "release", {}
-
-
-def _event(item: Settlement, worker: str | None, now: float) -> dict[str, Any]:
-    """The event row of a settlement: the transition, its reason and what it carried."""
-    d = item.decision
-    detail: dict[str, Any] = {}
-    match d:
-        case Complete(model=model, usage=usage) if model is not None:
-            reason = "done"
-            usage_detail = {
-                "prompt_tokens": usage.prompt_tokens,
-                "completion_tokens": usage.completion_tokens,
-            }
-            detail = {"model": model, "usage": usage_detail}
-        case Complete():
-            reason = "done"
-        case Pause():
-            reason = d.reason
-            detail = {"resume_after": d.resume_after, "model": d.model}
-            if d.cooling:
-                detail["cooling"] = dict(d.cooling)
-        case Requeue(run_after=run_after, error=error):
-            reason, detail = "retry", {"error": error, "run_after": run_after}
-        case Fail(reason=why):
-            reason = why
-        case Crash(error=error):
-            reason, detail = "error", {"error": error}
-        case Release(reason=why):
-            reason = why
-    (source,), target = TRANSITIONS[_action(d)]
-    return events.event(
-        item.task_id,
-        source.value,
-        target.value,
-        now,
-        reason=reason,
-        worker=worker,
-        claim_token=item.token,
-        detail={**detail, **(item.detail or {})} or None,
-    )
