@@ -65,7 +65,7 @@ def worker(
     client_budget: int | None,
     budget_mode: str | None,
     log_json: bool,
-) -> None:
+) -> int:
     """Claim and run the tasks of one agent, one at a time (or --batch N per claim)."""
     if not NAME_RE.match(agent):
         raise click.BadParameter(f"invalid agent name {agent!r}", param_hint="--agent")
@@ -113,7 +113,7 @@ def worker(
         )
         runner = Worker(LiveConfig(config), db, options)
         cli.on_stop_signals(runner.request_stop)
-        runner.run()
+        return runner.run()
     finally:
         db.dispose()
 

@@ -86,11 +86,22 @@ class Worker:
         self._running: Task | None = None  # the task whose call the main thread is in
         self._held: list[Task] = []  # claimed by us and not yet settled in the database
         self._acks: list[Settlement] = []  # done, to acknowledge with the batch
+        self._stop_reason: str | None = None
+        self._stop_logged = False
+        self._taken_over: set[int] = set()  # claims the watchdog found lost (ids)
+        self._watchdog_failed = False
 
     def request_stop(self, reason: str = "signal") -> None:
-        if not self.stopping.is_set():
-            self.log.info("shutdown_requested", reason=reason)
+        """Ask the worker to stop. Safe in a signal handler: it only records the reason
+        and sets an event (no logging, no I/O, no lock); the loop says it noticed."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
         self.stopping.set()
+
+    def _noticed_stop(self) -> None:
+        if self.stopping.is_set() and not self._stop_logged:
+            self._stop_logged = True
+            self.log.info("shutdown_requested", reason=self._stop_reason or "stop")
 
     def run(self) -> int:
         self.registry.register()
@@ -99,6 +110,7 @@ class Worker:
         processed = 0
         try:
             while not self.stopping.is_set():
+                self._noticed_stop()
                 room = self.options.batch
                 if self.options.max_tasks is not None:
                     room = min(room, self.options.max_tasks - processed)
@@ -121,14 +133,19 @@ class Worker:
                         break
                     self._process(task)
                     processed += 1
+                self._noticed_stop()
                 self._flush_acks()
                 for task in list(self._held):  # claimed but not started: give them back
                     self._release(task)
         finally:
+            self._noticed_stop()
             self._finished.set()
             self.registry.remove()
             self.providers.close()
             self.log.info("shutdown", processed=processed)
+        if self._watchdog_failed:
+            self.log.error("exit", reason="the watchdog stopped: leases were no longer renewed")
+            return 1
         return 0
 
     # -- one task ------------------------------------------------------------
@@ -167,22 +184,47 @@ class Worker:
         self.config.refresh()
 
     def _watch(self) -> None:
-        """The watchdog: renews the leases of held tasks while a call runs, and on
-        shutdown gives the running task back once the grace period is over."""
-        next_heartbeat = time.monotonic() + self.options.lease_sec / 3
+        """The watchdog thread: renews the leases of held tasks while a call runs, and on
+        shutdown gives the running task back once the grace period is over.
+
+        It never dies of an error: each round catches, logs and carries on (a
+        database outage longer than ``db_retry_sec`` is retried at the next round).
+        Should the thread end anyway, the worker stops claiming and exits non-zero
+        rather than run calls whose leases nobody renews.
+        """
+        try:
+            self._watch_rounds()
+        except BaseException as exc:  # pragma: no cover - the rounds catch what they raise
+            self.log.error("watchdog_died", error=repr(exc))
+        finally:
+            if not self._finished.is_set():
+                self._watchdog_failed = True
+                self.stopping.set()
+
+    def _watch_rounds(self) -> None:
+        every = self.options.lease_sec / 3
+        next_heartbeat = time.monotonic() + every
         grace_ends: float | None = None
         while not self._finished.wait(0.1):
-            with self._lock:
-                running, held = self._running, list(self._held)
-            now = time.monotonic()
-            if self.stopping.is_set() and running is not None:
-                grace_ends = grace_ends or now + self.options.grace_sec
-                if now >= grace_ends:
-                    self._abandon(held)
-            if now >= next_heartbeat:
-                next_heartbeat = now + self.options.lease_sec / 3
-                if held:
-                    self._heartbeat(held)
+            try:
+                with self._lock:
+                    running, held = self._running, list(self._held)
+                now = time.monotonic()
+                if self.stopping.is_set() and running is not None:
+                    grace_ends = grace_ends or now + self.options.grace_sec
+                    if now >= grace_ends:
+                        self._abandon(held)
+                if now >= next_heartbeat:
+                    next_heartbeat = now + every
+                    if held:
+                        self._heartbeat(held)
+                    self._beat()
+            except Exception as exc:
+                # The database is away (longer than db_retry_sec) or a bug: say so and
+                # try again soon; a lease that ran out meanwhile is renewed if still
+                # ours, and a claim taken over is reported as lost by the heartbeat.
+                self.log.error("watchdog_error", error=f"{type(exc).__name__}: {exc}")
+                next_heartbeat = min(next_heartbeat, time.monotonic() + min(every, 1.0))
 
     def _abandon(self, held: list[Task]) -> None:
         """The running call outlived the grace period: release what we hold and exit now."""
@@ -193,17 +235,19 @@ class Worker:
         os._exit(0)
 
     def _heartbeat(self, held: list[Task]) -> None:
-        """Renew the lease of every task we hold: the running one and those waiting."""
+        """Renew the lease of every task we hold: the running one and those waiting.
+        A claim that was taken over is marked lost: its call's result is abandoned."""
         for task in held:
             try:
                 self.queue.heartbeat(task.id, task.claim_token, self.options.lease_sec)
             except TransitionRejected as exc:
                 with self._lock:
                     still_ours = task in self._held
-                if still_ours:  # not merely settled by the main thread meanwhile
+                    if still_ours:  # not merely settled by the main thread meanwhile
+                        self._taken_over.add(task.id)
+                if still_ours:
                     self.log.warning("claim_lost", task_id=task.id, detail=exc.message)
                     self._forget(task)
-        self._beat()
 
     def _release(self, task: Task) -> None:
         self._forget(task)
@@ -213,6 +257,12 @@ class Worker:
 
     def _settle(self, task: Task, run: Run) -> None:
         """Hand the queue the run's decision; a batch's completions wait for the batch."""
+        with self._lock:
+            lost = task.id in self._taken_over
+            self._taken_over.discard(task.id)
+        if lost:  # another claim owns the task now: our result is void
+            self.log.warning("result_abandoned", task_id=task.id, reason="the claim was lost")
+            return
         d = run.decision
         item = run.settlement(task)
         if isinstance(d, Complete) and self.options.batch > 1:

@@ -6,6 +6,8 @@ name — ``ok``, ``rate_limited``, ``overloaded``, ``timeout``, ``retryable``
 
     {"behaviour": "rate_limited", "for_s": 15, "retry_after_s": 5, "latency_ms": 200}
 
+``wait_for`` (a file path) holds the call until that file exists, announcing
+the wait with ``<path>.waiting``: tests hold a call in flight with it.
 ``until`` (epoch seconds) or ``for_s`` (seconds after the task was created)
 limit the behaviour in time; after that the model answers ok. ``accounts``
 (a list of account names) limits it to calls through those accounts of the
@@ -22,6 +24,7 @@ import math
 import os
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from agentbus.providers import CallRequest
@@ -37,7 +40,7 @@ from agentbus.queue.tasks import InvalidTask
 
 BEHAVIOURS = (*(n.value for n in OutcomeName), *ALIASES)
 MAX_LATENCY_MS = 600_000
-_KEYS = {"behaviour", "until", "for_s", "retry_after_s", "latency_ms", "accounts"}
+_KEYS = {"behaviour", "until", "for_s", "retry_after_s", "latency_ms", "accounts", "wait_for"}
 
 
 def script_for(payload: Mapping[str, Any], model: str) -> dict[str, Any]:
@@ -71,11 +74,23 @@ def script_for(payload: Mapping[str, Any], model: str) -> dict[str, Any]:
         not isinstance(accounts, list) or not all(isinstance(a, str) for a in accounts)
     ):
         raise InvalidTask(f"payload.simulate[{model!r}].accounts must be a list of account names")
+    wait_for = script.get("wait_for")
+    if wait_for is not None and (not isinstance(wait_for, str) or not wait_for):
+        raise InvalidTask(f"payload.simulate[{model!r}].wait_for must be a file path")
     if (script.get("latency_ms") or 0) > MAX_LATENCY_MS:
         raise InvalidTask(
             f"payload.simulate[{model!r}].latency_ms must be at most {MAX_LATENCY_MS}"
         )
     return script
+
+
+def _wait_for(path: str, limit_sec: float) -> None:
+    """Hold the call until ``path`` exists (at most ``limit_sec``), announcing the wait
+    with ``path.waiting``: a test holds a call in flight and releases it by a file."""
+    Path(path + ".waiting").touch()
+    deadline = time.monotonic() + limit_sec
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class SimulatedProvider:
@@ -88,6 +103,8 @@ class SimulatedProvider:
         started = self.clock()
         if script.get("latency_ms"):
             time.sleep(script["latency_ms"] / 1000)
+        if script.get("wait_for"):
+            _wait_for(script["wait_for"], min(request.timeout_sec, MAX_LATENCY_MS / 1000))
         behaviour = script.get("behaviour", "ok")
         now = self.clock()
         if script.get("accounts") is not None and request.account not in script["accounts"]:
