@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentbus import masking
 from agentbus.catalog import Catalog, parse_catalog
 from agentbus.catalog.parse import SECTIONS
 from agentbus.errors import ConfigError
@@ -401,6 +402,7 @@ def load_config(
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc.message}") from None
     settings = Settings.from_doc(doc, path, overrides, env)
+    masking.register_config(catalog, env, settings.database_url)
     return Config(settings, catalog, path, overrides, environ)
 
 

@@ -19,6 +19,8 @@ def configure(*, json: bool = False, level: str = "INFO") -> None:
 
     import structlog
 
+    from agentbus.masking import log_processor
+
     processors: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -31,7 +33,7 @@ def configure(*, json: bool = False, level: str = "INFO") -> None:
     else:
         renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     structlog.configure(
-        processors=[*processors, renderer],
+        processors=[*processors, log_processor, renderer],  # no secret in any log line
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,

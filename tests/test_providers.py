@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -119,7 +120,7 @@ def command(tmp_path: Path, body: str, **kw: object) -> CommandProvider:
     cat = parse_catalog(
         {"providers": {"cli": {"kind": "command", "argv": list(script(tmp_path, body)), **kw}}}
     )
-    return CommandProvider(cat.providers["cli"])
+    return CommandProvider(cat.providers["cli"], os.environ)
 
 
 def test_command_provider(tmp_path: Path) -> None:
@@ -138,7 +139,7 @@ def test_command_provider(tmp_path: Path) -> None:
     slow = command(tmp_path, "sys.stdin.read(); import signal; signal.pause()", timeout_sec=0.3)
     assert isinstance(slow.call(request()), TimedOut)
     cat = parse_catalog({"providers": {"cli": {"kind": "command", "argv": ["/no/such/bin"]}}})
-    missing = CommandProvider(cat.providers["cli"]).call(request())
+    missing = CommandProvider(cat.providers["cli"], os.environ).call(request())
     assert isinstance(missing, Failed) and not missing.retryable
 
 

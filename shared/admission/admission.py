@@ -29,6 +29,7 @@ import tenacity
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
+from agentbus import masking
 from agentbus.admission.budget import ClientBudget, Reserve
 from agentbus.admission.circuit import CircuitStore
 from agentbus.admission.cooldowns import CooldownStore
@@ -409,7 +410,7 @@ class Admission:
             "provider": provider.name,
             "account": account.name,
             "fingerprint": print_,
-            "reason": reason[:500],
+            "reason": masking.mask(reason)[:500],
             "unusable_since": now,
         }
         self.db.write(lambda conn: conn.execute(stmt, row))

@@ -16,6 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from agentbus import masking
 from agentbus.db import Database
 from agentbus.logging import get_logger
 from agentbus.queue.states import TaskStatus
@@ -37,10 +38,9 @@ def emit(
     source: str | None = None,
     detail: Mapping[str, Any] | None = None,
 ) -> None:
+    detail = masking.mask_value(dict(detail or {}))
     conn.execute(
-        sa.insert(bus_events).values(
-            at=at, kind=kind, scope=scope, source=source, detail=dict(detail or {})
-        )
+        sa.insert(bus_events).values(at=at, kind=kind, scope=scope, source=source, detail=detail)
     )
     log.info(kind, scope=scope, source=source, **dict(detail or {}))
 

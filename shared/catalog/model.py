@@ -68,6 +68,7 @@ class ProviderConfig:
     accounts: tuple[AccountConfig, ...] = (AccountConfig(""),)
     concurrency: int | None = None
     circuit: bool = True
+    env: tuple[str, ...] = ()  # variables a command provider's program also gets
 
     @property
     def endpoint(self) -> str:

@@ -27,7 +27,7 @@ SECTIONS = ("providers", "models", "roles", "agents", "bulkheads", "routing")
 _LIMITS = {"accounts", "concurrency", "rpm", "circuit", "timeout_sec"}
 _KEYS = {
     "openai": _LIMITS | {"kind", "base_url", "api_key_env"},
-    "command": _LIMITS | {"kind", "argv", "exit_codes", "stderr_patterns"},
+    "command": _LIMITS | {"kind", "argv", "exit_codes", "stderr_patterns", "env"},
     "simulated": _LIMITS | {"kind"},
 }
 
@@ -202,8 +202,19 @@ def _provider(name: str, body: Mapping[str, Any]) -> ProviderConfig:
             patterns[outcome] = re.compile(pattern, re.IGNORECASE)
         except re.error as exc:
             raise ConfigError(f"{where}: stderr_patterns.{outcome} is not a regex: {exc}") from None
+    env = body.get("env", [])
+    if not isinstance(env, list) or not all(
+        isinstance(n, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in env
+    ):
+        raise ConfigError(f"{where}: env must be a list of environment variable names")
     return ProviderConfig(
-        name, kind, argv=tuple(argv), exit_codes=codes, stderr_patterns=patterns, **common
+        name,
+        kind,
+        argv=tuple(argv),
+        exit_codes=codes,
+        stderr_patterns=patterns,
+        env=tuple(env),
+        **common,
     )
 
 

@@ -1,5 +1,9 @@
 """A CLI agent as a model: argv from config, the prompt on stdin, the answer on stdout.
 
+The program runs with a minimal environment: ``PATH``, ``HOME``, ``LANG``, the
+variables its config lists in ``env``, and its own accounts' key variables —
+never the database URL or another provider's key. What it prints is masked.
+
 A non-zero exit is mapped by ``exit_codes`` first, then by the first of
 ``stderr_patterns`` that matches; anything else is a retryable failure.
 """
@@ -7,7 +11,9 @@ A non-zero exit is mapped by ``exit_codes`` first, then by the first of
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Mapping
 
+from agentbus import masking
 from agentbus.catalog import ProviderConfig
 from agentbus.providers import CallRequest
 from agentbus.providers.outcomes import (
@@ -19,10 +25,18 @@ from agentbus.providers.outcomes import (
     failure_named,
 )
 
+#: What a CLI agent gets of the worker's environment besides what its config lists.
+BASE_ENV = ("PATH", "HOME", "LANG")
+DETAIL_CHARS = 300
+
 
 class CommandProvider:
-    def __init__(self, config: ProviderConfig) -> None:
+    def __init__(self, config: ProviderConfig, environ: Mapping[str, str]) -> None:
         self.config = config
+        # A minimal environment: never the database URL or other providers' keys.
+        names = {*BASE_ENV, *config.env, *(a.key_env for a in config.accounts if a.key_env)}
+        self._env = {name: environ[name] for name in sorted(names) if name in environ}
+        masking.register(environ.get(a.key_env) for a in config.accounts if a.key_env)
 
     def call(self, request: CallRequest) -> Outcome:
         timeout = self.config.timeout_sec or request.timeout_sec
@@ -35,8 +49,10 @@ class CommandProvider:
                 input=request.prompt,
                 capture_output=True,
                 text=True,
+                errors="replace",
                 timeout=timeout,
                 check=False,
+                env=self._env,
             )
         except subprocess.TimeoutExpired:
             return TimedOut(f"{self.config.name}: no answer within {timeout:g}s")
@@ -45,8 +61,8 @@ class CommandProvider:
                 f"{self.config.name}: cannot run {argv[0]!r}: {exc.strerror}", retryable=False
             )
         if done.returncode == 0:
-            return Succeeded(done.stdout.strip())
-        last = (done.stderr.strip().splitlines() or [""])[-1][:200]
+            return Succeeded(masking.mask(done.stdout.strip()))
+        last = masking.mask((done.stderr.strip().splitlines() or [""])[-1])[:DETAIL_CHARS]
         detail = f"{self.config.name}: exit {done.returncode}: {last}".rstrip(": ")
         if done.returncode in self.config.exit_codes:
             return failure_named(self.config.exit_codes[done.returncode], detail)

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from agentbus import masking
 from agentbus.catalog import ProviderConfig
 from agentbus.providers import CallRequest
 from agentbus.providers.outcomes import (
@@ -24,6 +25,9 @@ from agentbus.providers.outcomes import (
     TimedOut,
     Usage,
 )
+
+MAX_BODY = 65_536  # of an error answer, read for its detail
+DETAIL_CHARS = 300
 
 
 def retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
@@ -58,6 +62,7 @@ class OpenAIProvider:
             a.name: environ.get(a.key_env, "") if a.key_env else "" for a in config.accounts
         }
         self._env = {a.name: a.key_env for a in config.accounts}
+        masking.register(self._keys.values())
         self._client = httpx.Client(base_url=config.base_url, transport=transport)
 
     def call(self, request: CallRequest) -> Outcome:
@@ -83,13 +88,15 @@ class OpenAIProvider:
             return TimedOut(f"{self.config.name}: no answer within {timeout:g}s")
         except httpx.TransportError as exc:
             return Failed(
-                self._mask(f"{self.config.name}: {type(exc).__name__}: {exc}"), retryable=True
+                masking.mask(f"{self.config.name}: {type(exc).__name__}: {exc}"), retryable=True
             )
         return self._classify(response)
 
     def _classify(self, response: httpx.Response) -> Outcome:
         status = response.status_code
-        detail = self._mask(f"{self.config.name}: HTTP {status} {response.text[:200]}".strip())
+        # Masked whole, then cut: a key straddling the cut cannot leave a readable part.
+        body = masking.mask(response.text[:MAX_BODY])
+        detail = f"{self.config.name}: HTTP {status} {body}".strip()[:DETAIL_CHARS]
         if status == 200:
             try:
                 data: dict[str, Any] = response.json()
@@ -112,12 +119,6 @@ class OpenAIProvider:
         if status in (401, 403):
             return AuthFailed(detail)
         return Failed(detail, retryable=status >= 500)
-
-    def _mask(self, text: str) -> str:
-        for key in self._keys.values():
-            if key:
-                text = text.replace(key, "***")
-        return text
 
     def close(self) -> None:
         self._client.close()

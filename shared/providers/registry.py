@@ -77,7 +77,7 @@ class Providers:
             return OpenAIProvider(config, self.environ)
         from agentbus.providers.command import CommandProvider
 
-        return CommandProvider(config)
+        return CommandProvider(config, self.environ)
 
     def close(self) -> None:
         made, self._made = self._made, {}

@@ -12,6 +12,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from agentbus import masking
 from agentbus.admission import usage
 from agentbus.admission.routing import Route
 from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
@@ -21,12 +22,10 @@ from agentbus.schema import route_log, task_events
 
 
 def storable(value: Any) -> Any:
-    """A string with NUL characters made storable (PostgreSQL text refuses NUL).
-
-    Model answers and error messages come from outside; one stray NUL must not
-    make a task impossible to settle.
-    """
-    return value.replace("\x00", "\ufffd") if isinstance(value, str) else value
+    """A string masked (no secret is stored) and with NUL characters made storable
+    (PostgreSQL text refuses NUL): model answers and error messages come from
+    outside; one stray NUL must not make a task impossible to settle."""
+    return masking.mask(value.replace("\x00", "\ufffd")) if isinstance(value, str) else value
 
 
 def record(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
@@ -56,7 +55,7 @@ def event(
         "worker": worker,
         "claim_token": claim_token,
         "at": at,
-        "detail": dict(detail) if detail else None,
+        "detail": masking.mask_value(dict(detail)) if detail else None,
     }
 
 

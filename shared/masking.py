@@ -1,0 +1,85 @@
+"""One masking function for every text that leaves a provider or the database layer.
+
+A process registers the secrets it knows at start — every provider key its
+config names (the variables' values) and the database password — and
+``mask`` replaces each occurrence with ``***``. Texts are masked whole, before
+anything cuts them, and whatever looks like an API key or a bearer token is
+masked too, so a key of another system, or the part of one a cut left
+behind, does not leak either. Provider details, stored task text, events,
+workspace events, account state and every log line go through ``mask``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import Any
+
+MASK = "***"
+MIN_LENGTH = 6  # shorter "secrets" (an empty or toy value) would mask ordinary words
+
+#: Key shapes worth masking wherever they appear, with the prefix kept for the reader.
+_SHAPES = re.compile(
+    r"\b(sk-ant-|sk-proj-|sk-|xox[abpr]-|gh[pousr]_|glpat-|AKIA|AIza)[A-Za-z0-9_\-]{6,}"
+    r"|(?i:\b((?:bearer|x-api-key:?|api[_-]?key[=:])\s*))[A-Za-z0-9._~+/\-]{8,}=*"
+)
+
+_known: set[str] = set()
+_ordered: list[str] = []
+
+
+def register(values: Iterable[str | None]) -> None:
+    """Remember secret values (ignoring empty and very short ones)."""
+    for value in values:
+        if value and len(value) >= MIN_LENGTH and value not in _known:
+            _known.add(value)
+    _ordered[:] = sorted(_known, key=len, reverse=True)  # a key inside another: longest first
+
+
+def register_config(catalog: Any, environ: Mapping[str, str], database_url: str | None) -> None:
+    """The values of every key variable the catalog names, and the database password."""
+    names = {
+        account.key_env
+        for provider in catalog.providers.values()
+        for account in provider.accounts
+        if account.key_env
+    }
+    values = [environ.get(name) for name in names]
+    if database_url:
+        values.append(_password(database_url))
+    register(values)
+
+
+def mask(text: str) -> str:
+    """``text`` with every registered secret and every key-shaped string masked."""
+    if not text:
+        return text
+    for secret in _ordered:
+        if secret in text:
+            text = text.replace(secret, MASK)
+    return _SHAPES.sub(_shape, text)
+
+
+def mask_value(value: Any) -> Any:
+    """``mask`` applied to every string inside a JSON-like value."""
+    if isinstance(value, str):
+        return mask(value)
+    if isinstance(value, Mapping):
+        return {k: mask_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [mask_value(v) for v in value]
+    return value
+
+
+def _shape(match: re.Match[str]) -> str:
+    return f"{match.group(1) or match.group(2)}{MASK}"  # the prefix stays, for the reader
+
+
+def _password(url: str) -> str | None:
+    found = re.match(r"^[^:/]+(?:\+[^:/]+)?://[^:/@]+:([^@]*)@", url)
+    return found.group(1) if found else None
+
+
+def log_processor(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> dict[str, Any]:
+    """structlog processor: every string of a log line masked."""
+    return {key: mask_value(value) for key, value in event.items()}
