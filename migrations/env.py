@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 from logging.config import fileConfig
 
+import sqlalchemy as sa
 from alembic import context
 
 from agentbus.config import DEFAULT_DATABASE_URL
 from agentbus.db import Database
 from agentbus.schema import metadata
 
+MIGRATION_LOCK = 0x6D696772617465  # "migrate"
 config = context.config
 if config.config_file_name is not None and "database" not in config.attributes:
     fileConfig(config.config_file_name, disable_existing_loggers=False)
@@ -28,6 +30,10 @@ def run_migrations_online() -> None:
         db = Database(os.environ.get("AGENTBUS_DATABASE_URL") or DEFAULT_DATABASE_URL)
     try:
         with db.engine.begin() as connection:
+            if db.dialect == "postgresql":
+                # Processes migrating at once take turns: the later ones find the
+                # schema at head and have nothing to do. (SQLite: BEGIN IMMEDIATE.)
+                connection.execute(sa.select(sa.func.pg_advisory_xact_lock(MIGRATION_LOCK)))
             context.configure(
                 connection=connection,
                 target_metadata=metadata,

@@ -111,7 +111,10 @@ def config_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 def fmt_time(epoch: float | None) -> str:
     if epoch is None:
         return "-"
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    try:
+        return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    except (OverflowError, OSError, ValueError):  # a time no calendar holds (a row by hand)
+        return repr(epoch)
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:

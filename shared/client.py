@@ -41,7 +41,7 @@ class AgentBus:
         except BaseException:
             self.db.dispose()
             raise
-        self.queue = TaskQueue(self.db, max_attempts=self.settings.max_attempts)
+        self.queue = TaskQueue(self.db, **self.settings.queue_options())
 
     def enqueue(
         self,

@@ -30,6 +30,7 @@ log = get_logger("agentbus.config")
 ENV_PREFIX = "AGENTBUS_"
 DEFAULT_DATABASE_URL = "sqlite:///ops_multiagent.db"
 DEFAULT_CONFIG_FILE = "agentbus.toml"
+DEFAULT_CONFIG_MAX_BYTES = 1_048_576
 BUDGET_MODES = ("off", "warn", "enforce")
 
 
@@ -163,6 +164,14 @@ class Settings:
     no_workspace_budget: bool = _doc(
         "Kill switch: each process keeps its own client budget (events say scope session).", False
     )
+    config_max_bytes: int = _doc(
+        "The largest config file read (bytes); set it in the environment, not in the file.",
+        DEFAULT_CONFIG_MAX_BYTES,
+    )
+    max_payload_bytes: int = _doc(
+        "The largest task payload accepted at enqueue (bytes of its JSON).", 1_048_576
+    )
+    max_payload_depth: int = _doc("How deeply a task payload's objects and arrays may nest.", 32)
     done_retention_sec: float = _doc(
         "Done tasks and their events are deleted after this long (0 keeps them).", 604800.0
     )
@@ -212,6 +221,9 @@ class Settings:
                 raise ConfigError(f"setting {name} must be positive, got {getattr(self, name)}")
         if self.call_retries < 0:
             raise ConfigError("setting call_retries must not be negative")
+        for name in ("config_max_bytes", "max_payload_bytes", "max_payload_depth"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"setting {name} must be at least 1")
         for name in ("sweep_batch", "reentry_limit", "rescue_limit", "claim_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name} must be at least 1")
@@ -261,6 +273,13 @@ class Settings:
         if any(f < 1 or s < 0 for f, s in steps) or steps != sorted(steps):
             raise ConfigError("setting backoff_thresholds needs ascending positive failure counts")
         return tuple(steps)
+
+    def queue_options(self) -> dict[str, Any]:
+        """The keyword arguments of a TaskQueue that producers configure with settings."""
+        from agentbus.queue.tasks import PayloadLimits
+
+        limits = PayloadLimits(self.max_payload_bytes, self.max_payload_depth)
+        return {"max_attempts": self.max_attempts, "payload_limits": limits}
 
     def replace(self, **changes: Any) -> Settings:
         new = dataclasses.replace(self, **changes)
@@ -396,7 +415,8 @@ def load_config(
     """Read the config file once and build the settings and the catalog from it."""
     env = os.environ if environ is None else environ
     path = config_path(config_file, env)
-    doc = read_toml(path) if path is not None else {}
+    limit = _convert("config_max_bytes", "int", env.get(ENV_PREFIX + "CONFIG_MAX_BYTES") or 0)
+    doc = read_toml(path, limit or DEFAULT_CONFIG_MAX_BYTES) if path is not None else {}
     try:
         catalog = parse_catalog(doc)
     except ConfigError as exc:
@@ -406,17 +426,35 @@ def load_config(
     return Config(settings, catalog, path, overrides, environ)
 
 
-def read_toml(path: Path) -> dict[str, Any]:
-    """Parse a TOML config file, turning every problem into one ConfigError line."""
+def read_toml(path: Path, max_bytes: int = DEFAULT_CONFIG_MAX_BYTES) -> dict[str, Any]:
+    """Parse a TOML config file, turning every problem into one ConfigError line.
+
+    Only a regular file is read, and no more of it than ``max_bytes`` (a device
+    such as /dev/zero, or a huge file, is refused before it costs memory).
+    """
     try:
+        if not path.is_file():
+            if not path.exists():
+                raise ConfigError(f"config file {path} does not exist")
+            raise ConfigError(f"config file {path} is not a regular file")
         with path.open("rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
+            data = fh.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise ConfigError(
+                f"config file {path} is larger than {max_bytes:,} bytes "
+                "(setting config_max_bytes, read from the environment only)"
+            )
+        return tomllib.loads(data.decode("utf-8"))
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {exc.start}): is it a config file?"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path} nests tables or arrays too deeply") from None
 
 
 def _scalars(doc: Mapping[str, Any]) -> dict[str, Any]:

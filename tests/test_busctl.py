@@ -186,6 +186,28 @@ def test_bad_config_file(tmp_path: Path, run_busctl: Run) -> None:
     assert_one_line_error(run_busctl("--config", str(cfg), "status"), contains="unknown setting")
 
 
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: Path("/dev/zero"), "is not a regular file"),
+        (lambda p: p.write_bytes(b"a = '" + b"x" * 1_100_000 + b"'\n"), "larger than 1,048,576"),
+        (lambda p: p.write_bytes(bytes(range(256))), "is not UTF-8 text"),
+        (lambda p: p.write_text("a = " + "[" * 50_000 + "]" * 50_000), "too deeply"),
+    ],
+)
+def test_a_config_file_is_read_within_bounds(
+    tmp_path: Path, run_busctl: Run, make: Callable[[Path], object], message: str
+) -> None:
+    cfg = tmp_path / "agentbus.toml"
+    made = make(cfg)
+    path = made if isinstance(made, Path) else cfg
+    assert_one_line_error(run_busctl("--config", str(path), "status"), contains=message)
+    small = {"AGENTBUS_CONFIG_MAX_BYTES": "10"}
+    cfg.write_text("lease_sec = 30\n")
+    result = run_busctl("--config", str(cfg), "status", env=small)
+    assert_one_line_error(result, contains="larger than 10 bytes")
+
+
 def test_cooldowns_lists_the_active_ones(db_url: str, run_busctl: Run) -> None:
     db = Database(db_url)
     store = CooldownStore(db)

@@ -36,6 +36,13 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 text = st.text(st.characters(codec="utf-8"), max_size=40)
+# What a shell or a careless caller hands over: lone surrogates (undecodable argv bytes).
+any_text = st.text(st.characters(), max_size=40)
+hostile_payloads = st.one_of(
+    st.integers(1, 3000).map(lambda n: '{"a":' * n + "1" + "}" * n),  # deep nesting
+    st.integers(4000, 6000).map(lambda n: '{"n": ' + "9" * n + "}"),  # huge integers
+    st.just('{"a": 1e999}'),
+)
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | text,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text, inner, max_size=4),
@@ -74,14 +81,15 @@ def enqueue_args(draw: st.DrawFn) -> list[str]:
     if chain in ("role", "both"):
         args += ["--role", draw(st.sampled_from(["coder"]) | text)]
     if draw(st.booleans()):
-        payload = draw(json_values.map(json.dumps) | text)
+        payload = draw(json_values.map(json.dumps) | text | hostile_payloads | any_text)
         args += ["--payload", payload]
     for flag in ("--priority", "--run-after", "--max-attempts", "--key"):
         if draw(st.booleans()):
-            value = draw(st.integers(-5, 2_000_000).map(str) | st.floats().map(str) | text)
+            number = st.integers(-5, 2_000_000) | st.sampled_from([10**300, 2**63])
+            value = draw(number.map(str) | st.floats().map(str) | text | any_text)
             args += [flag, value]
     if draw(st.booleans()):
-        args.append(draw(text))
+        args.append(draw(text | any_text))
     return args
 
 

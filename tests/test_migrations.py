@@ -255,3 +255,27 @@ def test_alembic_upgrade_head_from_the_checkout(empty_db_url: str) -> None:
         assert schema_diff(db) == []
     finally:
         db.dispose()
+
+
+def test_concurrent_migrations_take_turns(empty_db_url: str) -> None:
+    """Three `busctl migrate` at once on a fresh database: every one exits 0."""
+    exe = str(Path(sys.executable).with_name("busctl"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
+    procs = [
+        subprocess.Popen(
+            [exe, "--db", empty_db_url, "migrate"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    assert [code for code, _, _ in results] == [0, 0, 0], results
+    db = Database(empty_db_url)
+    try:
+        assert db.current_revision() == HEAD
+        assert schema_diff(db) == []
+    finally:
+        db.dispose()

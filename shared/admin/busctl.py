@@ -45,7 +45,7 @@ class Context:
     def queue(self) -> TaskQueue:
         from agentbus.queue import TaskQueue
 
-        return TaskQueue(self.database(), max_attempts=self.settings.max_attempts)
+        return TaskQueue(self.database(), **self.settings.queue_options())
 
 
 pass_ctx = click.make_pass_decorator(Context)

@@ -16,9 +16,11 @@ from agentbus.errors import TransitionRejected
 from agentbus.queue import events
 from agentbus.queue.statements import MOVE_MANY, claim_statement
 from agentbus.queue.states import TRANSITIONS, TaskStatus
+from agentbus.queue.tasks import PayloadLimits
 from agentbus.schema import bus_commands as t
 
 Clock = Callable[[], float]
+DEFAULT_LIMITS = PayloadLimits()
 
 
 def text_safe(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -26,10 +28,18 @@ def text_safe(params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class QueueBase:
-    def __init__(self, db: Database, *, clock: Clock = time.time, max_attempts: int = 3) -> None:
+    def __init__(
+        self,
+        db: Database,
+        *,
+        clock: Clock = time.time,
+        max_attempts: int = 3,
+        payload_limits: PayloadLimits = DEFAULT_LIMITS,
+    ) -> None:
         self.db = db
         self.clock = clock
         self.max_attempts = max_attempts
+        self.payload_limits = payload_limits
         self._claim = claim_statement(db.dialect)
         dialect_insert = postgresql.insert if db.dialect == "postgresql" else sqlite.insert
         self._insert_keyed = (

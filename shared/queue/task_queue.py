@@ -38,7 +38,7 @@ from agentbus.queue.statements import (
 )
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.queue.sweeps import SweepOps
-from agentbus.queue.tasks import Task, TaskSpec
+from agentbus.queue.tasks import Task, TaskSpec, check_payload
 from agentbus.schema import bus_commands as t
 
 QUEUED = TaskStatus.QUEUED
@@ -99,6 +99,7 @@ class TaskQueue(SweepOps):
         return self.db.write(work) if specs else []
 
     def _row(self, spec: TaskSpec, now: float) -> dict[str, Any]:
+        check_payload(spec.payload, self.payload_limits)
         return {
             "agent": spec.agent,
             "command": spec.command,

@@ -18,6 +18,17 @@ from agentbus.queue.states import TaskStatus
 from agentbus.schema import InvalidJSON
 
 MAX_TEXT = 1_000_000
+MAX_DELAY_SEC = 10 * 366 * 86400.0  # ten years: anything later is a mistake
+HARD_MAX_DEPTH = 1000  # nesting beyond this is refused before anything recurses into it
+
+
+@dataclass(frozen=True)
+class PayloadLimits:
+    """How large and how deeply nested a payload may be (settings max_payload_bytes and
+    max_payload_depth); checked by the queue at enqueue."""
+
+    max_bytes: int = 1_048_576
+    max_depth: int = 32
 
 
 class InvalidTask(BusError):
@@ -44,9 +55,15 @@ class TaskSpec:
 
 def validate(spec: TaskSpec) -> None:
     """Raise InvalidTask with one readable line when ``spec`` cannot be enqueued."""
-    for label, text in (("task text", spec.command), ("idempotency key", spec.key)):
+    for label, text in (
+        ("task text", spec.command),
+        ("idempotency key", spec.key),
+        ("agent name", spec.agent),
+        ("role name", spec.role),
+    ):
         if isinstance(text, str) and "\x00" in text:
             raise InvalidTask(f"the {label} contains a NUL character")
+        _unicode(label, text)
     if not isinstance(spec.agent, str) or not NAME_RE.match(spec.agent):
         raise InvalidTask(
             f"invalid agent name {spec.agent!r}: use letters, digits and _ . : / @ + -"
@@ -69,8 +86,10 @@ def validate(spec: TaskSpec) -> None:
         raise InvalidTask(f"invalid role name {spec.role!r}")
     if not isinstance(spec.payload, Mapping):
         raise InvalidTask("the payload must be a JSON object")
+    if depth(spec.payload) > HARD_MAX_DEPTH:
+        raise InvalidTask(f"the payload nests deeper than {HARD_MAX_DEPTH} levels")
     try:
-        json.dumps(spec.payload, allow_nan=False)
+        _unicode("payload", json.dumps(spec.payload, allow_nan=False, ensure_ascii=False))
     except (TypeError, ValueError) as exc:
         raise InvalidTask(f"the payload is not JSON: {exc}") from None
     if isinstance(spec.priority, bool) or not isinstance(spec.priority, int):
@@ -81,6 +100,8 @@ def validate(spec: TaskSpec) -> None:
         raise InvalidTask("run-after must be a finite number of seconds")
     if spec.delay_sec < 0:
         raise InvalidTask("run-after must not be negative")
+    if spec.delay_sec > MAX_DELAY_SEC:
+        raise InvalidTask(f"run-after must be at most {MAX_DELAY_SEC:.0f} seconds (ten years)")
     if spec.max_attempts is not None and (
         isinstance(spec.max_attempts, bool)
         or not isinstance(spec.max_attempts, int)
@@ -91,16 +112,62 @@ def validate(spec: TaskSpec) -> None:
         raise InvalidTask("the idempotency key must be 1 to 255 characters")
 
 
+def check_payload(payload: Mapping[str, Any], limits: PayloadLimits) -> None:
+    """Raise InvalidTask when a payload is larger or nests deeper than ``limits`` allow."""
+    if depth(payload) > limits.max_depth:
+        raise InvalidTask(
+            f"the payload nests deeper than {limits.max_depth} levels (setting max_payload_depth)"
+        )
+    size = len(json.dumps(payload, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    if size > limits.max_bytes:
+        raise InvalidTask(
+            f"the payload is {size:,} bytes, more than {limits.max_bytes:,} "
+            "(setting max_payload_bytes)"
+        )
+
+
+def depth(value: Any) -> int:
+    """How deeply objects and arrays nest in a JSON-like value (without recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, level)
+        if deepest > HARD_MAX_DEPTH:
+            return deepest
+        stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _unicode(label: str, text: str | None) -> None:
+    """Refuse text that cannot be stored as UTF-8 (lone surrogates, undecodable bytes)."""
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidTask(f"the {label} is not valid Unicode text") from None
+
+
 def parse_payload(text: str | None) -> dict[str, Any]:
     """Parse a payload given as JSON text (it must be an object)."""
     if text is None or text == "":
         return {}
+    _unicode("payload", text)
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidTask(
             f"the payload is not valid JSON: {exc.msg} at position {exc.pos}"
         ) from None
+    except RecursionError:
+        raise InvalidTask("the payload nests too deeply") from None
+    except ValueError as exc:  # e.g. an integer of thousands of digits
+        raise InvalidTask(f"the payload is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise InvalidTask(f"the payload must be a JSON object, not {type(value).__name__}")
     return value
