@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -168,3 +169,50 @@ def test_the_dashboard_shows_live_numbers_in_a_browser(
     assert '<span class="bad">open</span>' in dom  # the open circuit
     assert "codex@test:1" in dom  # the worker
     assert "preservation" in dom  # the KPIs
+
+
+def test_serve_answers_only_its_own_names_and_bounds_its_connections(
+    db_url: str, spawn: Callable[..., Proc]
+) -> None:
+    port = free_port()
+    proc = spawn(
+        "busctl",
+        "--db",
+        db_url,
+        "serve",
+        "--port",
+        str(port),
+        "--allow-host",
+        "dash.example",
+        "--max-connections",
+        "4",
+        "--timeout",
+        "1",
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    def status(host: str | None = None) -> int | None:
+        headers = {"Host": host} if host else {}
+        try:
+            return httpx.get(base + "/workspace/status", headers=headers, timeout=5).status_code
+        except httpx.TransportError:
+            return None
+
+    wait_until(lambda: status() == 200, timeout=30)
+    assert status(f"localhost:{port}") == 200
+    assert status("dash.example") == 200
+    assert status(f"rebound.attacker.example:{port}") == 403  # DNS rebinding reads nothing
+    # Many silent connections: the server keeps at most 4 threads for them, drops the
+    # rest at once, and closes the silent ones after the timeout; then it answers again.
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(60)]
+    try:
+        proc_status = Path(f"/proc/{proc.popen.pid}/status").read_text().splitlines()
+        threads = int(next(line.split()[1] for line in proc_status if line.startswith("Threads:")))
+        assert threads <= 4 + 4  # the connection slots, the main thread and a few of its own
+        wait_until(lambda: status() == 200, timeout=30)
+    finally:
+        for sock in idle:
+            sock.close()
+    warned = spawn("busctl", "--db", db_url, "serve", "--host", "0.0.0.0", "--port", "0")
+    wait_until(lambda: "serving http://0.0.0.0" in warned.text(), timeout=30)
+    assert "without authentication" in warned.text()

@@ -206,12 +206,48 @@ def events_cmd(c: Context, kinds: tuple[str, ...], limit: int, follow: bool) -> 
 @busctl.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True)
+@click.option(
+    "--allow-host",
+    "allow_hosts",
+    multiple=True,
+    metavar="NAME",
+    help="Also answer requests for this Host name (repeatable); others get 403.",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(1, 10_000),
+    default=32,
+    show_default=True,
+    help="Connections served at once; more are closed at once.",
+)
+@click.option(
+    "--timeout",
+    "timeout_sec",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="A connection silent this long is closed.",
+)
 @cli.budget_options
 @pass_ctx
 def serve_cmd(
-    c: Context, host: str, port: int, client_budget: int | None, budget_mode: str | None
+    c: Context,
+    host: str,
+    port: int,
+    allow_hosts: tuple[str, ...],
+    max_connections: int,
+    timeout_sec: float,
+    client_budget: int | None,
+    budget_mode: str | None,
 ) -> None:
-    """Serve the status document, Prometheus metrics and a dashboard page (read-only)."""
+    """Serve the status document, Prometheus metrics and a dashboard page (read-only).
+
+    Requests must name this server (the bound address, localhost or an
+    --allow-host name): a web page elsewhere cannot read it through DNS
+    rebinding. There is no authentication: bind loopback, or put it behind a
+    proxy that authenticates.
+    """
     from agentbus.admin import serve, status
     from agentbus.logging import configure
 
@@ -220,10 +256,23 @@ def serve_cmd(
     configure(level=settings.log_level.upper())
     db = c.database()
     try:
-        server = serve.make_server(host, port, lambda: status.snapshot(db, settings))
+        server = serve.make_server(
+            host,
+            port,
+            lambda: status.snapshot(db, settings),
+            allowed_hosts=allow_hosts,
+            timeout=timeout_sec,
+            max_connections=max_connections,
+        )
     except OSError as exc:
         raise BusError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     bound = server.server_address[1]
+    if not serve.is_loopback(host):
+        click.echo(
+            f"busctl: warning: serving on {host}, beyond this machine, without authentication: "
+            "anyone who can reach it reads the workspace status",
+            err=True,
+        )
     click.echo(
         f"busctl: serving http://{host}:{bound}/ (status: /workspace/status, metrics: /metrics)",
         err=True,

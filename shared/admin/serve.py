@@ -8,8 +8,10 @@ no build step, no external assets). Anything else is 404 (or 405 for writes).
 
 from __future__ import annotations
 
+import ipaddress
 import json
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
@@ -98,7 +100,45 @@ class SnapshotCollector(Collector):
         yield refusals
 
 
-def make_server(host: str, port: int, snapshot: Snapshot) -> ThreadingHTTPServer:
+class BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, but never more than ``max_connections`` at once: a
+    connection beyond that is closed at once (clients retry), so slow or idle
+    clients cannot pile up threads; each connection's socket times out."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: Any, max_connections: int) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        threading.Thread(
+            target=self._serve_one, args=(request, client_address), daemon=True
+        ).start()
+
+    def _serve_one(self, request: Any, client_address: Any) -> None:
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def make_server(
+    host: str,
+    port: int,
+    snapshot: Snapshot,
+    *,
+    allowed_hosts: Iterable[str] = (),
+    timeout: float = 10.0,
+    max_connections: int = 32,
+) -> ThreadingHTTPServer:
+    """The server; requests naming a ``Host`` other than the bound address, loopback
+    names or ``allowed_hosts`` are refused (a page on another site that resolves its
+    name to this machine — DNS rebinding — reads nothing)."""
+    hosts = {host.lower(), "localhost", "127.0.0.1", "::1", *(h.lower() for h in allowed_hosts)}
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(snapshot))
     page = resources.files("agentbus.admin").joinpath("dashboard.html").read_bytes()
@@ -108,6 +148,9 @@ def make_server(host: str, port: int, snapshot: Snapshot) -> ThreadingHTTPServer
 
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
+            if not _host_allowed(self.headers.get("Host"), hosts):
+                self._send(403, "text/plain", b"host not allowed (busctl serve --allow-host)\n")
+                return
             try:
                 if path == "/workspace/status":
                     body = json.dumps(snapshot(), default=str).encode()
@@ -138,4 +181,25 @@ def make_server(host: str, port: int, snapshot: Snapshot) -> ThreadingHTTPServer
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("http", request=self.requestline, status=args[1] if len(args) > 1 else None)
 
-    return ThreadingHTTPServer((host, port), Handler)
+    Handler.timeout = timeout  # the socket's: a silent client is dropped
+    return BoundedServer((host, port), Handler, max_connections)
+
+
+def _host_allowed(header: str | None, hosts: set[str]) -> bool:
+    """A request without Host (HTTP/1.0) is not a browser's; otherwise its name must be ours."""
+    if header is None:
+        return True
+    name = header.strip().lower()
+    if name.startswith("["):  # [::1]:8765
+        name = name[1 : name.find("]")] if "]" in name else name
+    else:
+        name = name.rsplit(":", 1)[0]
+    return name in hosts
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server on this machine."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
