@@ -164,6 +164,11 @@ class Settings:
     no_workspace_budget: bool = _doc(
         "Kill switch: each process keeps its own client budget (events say scope session).", False
     )
+    key_retention_sec: float = _doc(
+        "Idempotency keys are remembered this long after their enqueue, even when their task "
+        "was pruned (0 keeps them forever); longer than done_retention_sec.",
+        2592000.0,
+    )
     config_max_bytes: int = _doc(
         "The largest config file read (bytes); set it in the environment, not in the file.",
         DEFAULT_CONFIG_MAX_BYTES,
@@ -237,7 +242,12 @@ class Settings:
         for name in ("circuit_min_calls", "circuit_consecutive_failures"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name} must be at least 1")
-        for name in ("done_retention_sec", "failed_retention_sec", "route_retention_sec"):
+        for name in (
+            "done_retention_sec",
+            "failed_retention_sec",
+            "route_retention_sec",
+            "key_retention_sec",
+        ):
             if not getattr(self, name) >= 0 or not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"setting {name} must be 0 (keep) or a positive number")
         self.backoff_steps()  # parses, or raises ConfigError

@@ -158,6 +158,17 @@ ops_todos = sa.Table(
     sqlite_autoincrement=True,
 )
 
+#: Idempotency keys outlive the tasks they created (``key_retention_sec``): the same
+#: key enqueued after its task was pruned still names that task, and runs nothing.
+idempotency_keys = sa.Table(
+    "idempotency_keys",
+    metadata,
+    sa.Column("key", sa.Text, primary_key=True),
+    sa.Column("task_id", sa.BigInteger, nullable=False),
+    sa.Column("created_at", Epoch, nullable=False),
+)
+sa.Index("ix_idempotency_keys_created", idempotency_keys.c.created_at)
+
 workers = sa.Table(
     "workers",
     metadata,

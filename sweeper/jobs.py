@@ -200,6 +200,7 @@ def prune(s: Sweep) -> dict[str, int]:
         done_sec=s.settings.done_retention_sec,
         failed_sec=s.settings.failed_retention_sec,
         routes_sec=s.settings.route_retention_sec,
+        keys_sec=s.settings.key_retention_sec,
         batch=s.settings.sweep_batch,
     )
     return {"pruned": gone}

@@ -265,3 +265,19 @@ def test_old_routing_history_and_spent_call_slots_are_purged(
         assert conn.execute(sa.select(sa.func.count()).select_from(route_log)).scalar() == 0
         assert conn.execute(sa.select(sa.func.count()).select_from(call_slots)).scalar() == 1
     assert reads.get_task(db, task.id).status == "done"  # the task itself is kept longer
+
+
+def test_an_idempotency_key_outlives_its_pruned_task(db: Database, clock: FakeClock) -> None:
+    s = jobs.Sweep(db, LiveConfig.fixed(Settings()), clock=clock)  # done 7 d, keys 30 d
+    first = s.queue.enqueue(TaskSpec(agent="a", command="x", models=("sim/a",), key="report-1"))
+    (claimed,) = s.queue.claim("a", "w", 30)
+    s.queue.complete(claimed.id, claimed.claim_token, "sent")
+    clock.advance(8 * 24 * HOUR)
+    assert jobs.prune(s) == {"pruned": 1}  # the task is gone ...
+    again = s.queue.enqueue(TaskSpec(agent="a", command="x", models=("sim/a",), key="report-1"))
+    assert (again.id, again.created) == (first.id, False)  # ... its key still names it
+    assert reads.counts(db) == {}  # and nothing runs again
+    clock.advance(23 * 24 * HOUR)  # 31 days after the enqueue: the key is forgotten too
+    jobs.prune(s)
+    later = s.queue.enqueue(TaskSpec(agent="a", command="x", models=("sim/a",), key="report-1"))
+    assert later.created and later.id != first.id

@@ -18,6 +18,7 @@ from agentbus.queue.statements import MOVE_MANY, claim_statement
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.queue.tasks import PayloadLimits
 from agentbus.schema import bus_commands as t
+from agentbus.schema import idempotency_keys
 
 Clock = Callable[[], float]
 DEFAULT_LIMITS = PayloadLimits()
@@ -45,6 +46,9 @@ class QueueBase:
         self._insert_keyed = (
             dialect_insert(t).on_conflict_do_nothing(index_elements=["idempotency_key"])
         ).returning(t.c.id)
+        self._insert_key = dialect_insert(idempotency_keys).on_conflict_do_nothing(
+            index_elements=["key"]
+        )
 
     # -- the guarded writes --------------------------------------------------
 

@@ -2,6 +2,9 @@
 
 Done tasks go after ``done_retention_sec`` (7 days); failed and errored ones
 after ``failed_retention_sec`` (30 days) so operators can still retry them.
+Idempotency keys live ``key_retention_sec`` (30 days) from their enqueue, in
+their own table, whatever became of the task: a key enqueued again within
+that time names its first task and runs nothing.
 0 keeps them forever. Routing history older than ``route_retention_sec`` goes
 too. Deletes go in batches so no transaction grows large.
 """
@@ -17,6 +20,7 @@ from agentbus.db import Database
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_commands as t
 from agentbus.schema import cooldown_history, route_log
+from agentbus.schema import idempotency_keys as keys
 from agentbus.schema import task_events as ev
 
 DONE, FAILED, ERROR = TaskStatus.DONE, TaskStatus.FAILED, TaskStatus.ERROR
@@ -30,6 +34,7 @@ def prune(
     failed_sec: float,
     batch: int,
     routes_sec: float = 0.0,
+    keys_sec: float = 0.0,
     max_batches: int = 100,
 ) -> int:
     """Delete old finished tasks (and their events); returns how many tasks went."""
@@ -47,6 +52,9 @@ def prune(
     if routes_sec > 0:  # the routing history of tasks still kept goes too, once old
         cutoff = now - routes_sec
         db.write(lambda conn: conn.execute(sa.delete(route_log).where(route_log.c.at < cutoff)))
+    if keys_sec > 0:  # idempotency keys: kept longer than the tasks they named
+        cutoff = now - keys_sec
+        db.write(lambda conn: conn.execute(sa.delete(keys).where(keys.c.created_at < cutoff)))
     kept = [keep for keep in (done_sec, failed_sec) if keep > 0]
     if kept:  # cooldown history lives as long as the shortest task retention
         cutoff = now - min(kept)

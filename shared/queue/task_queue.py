@@ -40,6 +40,7 @@ from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.queue.sweeps import SweepOps
 from agentbus.queue.tasks import Task, TaskSpec, check_payload
 from agentbus.schema import bus_commands as t
+from agentbus.schema import idempotency_keys as keys
 
 QUEUED = TaskStatus.QUEUED
 
@@ -66,12 +67,21 @@ class TaskQueue(SweepOps):
             if spec.key is None:
                 new_id = conn.execute(sa.insert(t).returning(t.c.id), row).scalar_one()
             else:
+                # The key table outlives the task (retention keeps keys longer).
+                known = conn.execute(
+                    sa.select(keys.c.task_id).where(keys.c.key == spec.key)
+                ).scalar()
+                if known is not None:
+                    return Enqueued(int(known), created=False)
                 new_id = conn.execute(self._insert_keyed, row).scalar()
-                if new_id is None:
+                if new_id is None:  # enqueued meanwhile by another producer
                     existing = conn.execute(
                         sa.select(t.c.id).where(t.c.idempotency_key == spec.key)
                     ).scalar_one()
                     return Enqueued(int(existing), created=False)
+                conn.execute(
+                    self._insert_key, {"key": spec.key, "task_id": new_id, "created_at": now}
+                )
             events.record(conn, [events.event(new_id, None, QUEUED, now, reason="enqueue")])
             return Enqueued(int(new_id), created=True)
 
