@@ -28,7 +28,7 @@ def sweeper(
     interval_sec: float | None,
     once: bool,
     log_json: bool,
-) -> None:
+) -> int:
     """Resume due pauses, rescue expired claims, demote 48 h pauses, purge cooldowns."""
     overrides = {"database_url": db_url, "sweep_interval_sec": interval_sec}
     config = load_config(config_file, overrides)
@@ -42,13 +42,13 @@ def sweeper(
         db.require_migrated()
         sweep = jobs.Sweep(db, LiveConfig(config))
         if once:
-            run_once(sweep)
-            return
+            return 1 if run_once(sweep)["failed_jobs"] else 0
         service = SweeperService(
             sweep, interval=config.settings.sweep_interval_sec, peek=config.settings.sweep_peek_sec
         )
         cli.on_stop_signals(lambda _name: service.stop())
         service.run()
+        return 0
     finally:
         db.dispose()
 

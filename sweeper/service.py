@@ -22,6 +22,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
+from agentbus.db import first_line, is_transient
 from agentbus.logging import get_logger
 from agentbus.sweeper import jobs
 
@@ -29,12 +30,29 @@ log = get_logger("agentbus.sweeper")
 
 
 def run_once(sweep: jobs.Sweep) -> dict[str, int]:
-    """Run every job one time, in order (``sweeper --once``, cron, tests)."""
-    counts: dict[str, int] = {}
+    """Run every job one time, in order (``sweeper --once``, cron, tests).
+
+    Each job runs on its own: one that fails is logged with its cause and
+    counted in ``failed_jobs``, and the others still run in this pass.
+    """
+    counts: dict[str, int] = {"failed_jobs": 0}
     for job in jobs.ALL:
-        counts.update(job(sweep))
+        try:
+            counts.update(job(sweep))
+        except Exception as exc:
+            counts["failed_jobs"] += 1
+            log.error("sweep_job_failed", job=job.__name__, error=describe(exc))
     log.info("sweep_pass", **counts)
     return counts
+
+
+def describe(exc: BaseException) -> str:
+    """What went wrong, in one line: the database being away says so; anything else
+    gives its own message (a constraint, a bug), not "database unavailable"."""
+    orig = getattr(exc, "orig", None)
+    if is_transient(exc):
+        return f"database unavailable: {first_line(orig or exc)}"
+    return f"{type(orig or exc).__name__}: {first_line(orig or exc)}"
 
 
 class SweeperService:
@@ -109,8 +127,8 @@ class SweeperService:
         def guarded() -> None:
             try:
                 fn()
-            except Exception:
-                log.exception("sweep_job_failed", job=fn.__name__)
+            except Exception as exc:
+                log.error("sweep_job_failed", job=fn.__name__, error=describe(exc))
 
         guarded.__name__ = fn.__name__
         return guarded

@@ -151,8 +151,24 @@ def test_concurrency_two_across_four_workers(
 ) -> None:
     queue = live_queue
     env, calls = setup(tmp_path, CONCURRENCY)
-    ids = enqueue(queue, 12, {"sim/a": {"behaviour": "ok", "latency_ms": 300}})
+    # Each call lasts until the test releases it: it lets one go only while two
+    # are in flight, so overlap is shown however slowly the processes run.
+    gates = [tmp_path / f"gate{i}" for i in range(12)]
+    ids = [
+        enqueue(queue, 1, {"sim/a": {"behaviour": "ok", "wait_for": str(gate)}})[0]
+        for gate in gates
+    ]
     procs = [*workers(spawn, db_url, env, 4), spawn("sweeper", "--db", db_url, env=env)]
+    pending = list(gates)
+
+    def waiting() -> list[Path]:
+        return [g for g in pending if Path(f"{g}.waiting").exists()]
+
+    while pending:
+        wait_until(lambda: len(waiting()) >= min(2, len(pending)), timeout=90)
+        released = waiting()[0]
+        released.touch()
+        pending.remove(released)
     wait_until(lambda: set(statuses(queue.db, ids).values()) == {"done"}, timeout=90)
     stop(procs)
     spans = [(c["started"], c["time"]) for c in journal(calls)]

@@ -164,7 +164,8 @@ def test_a_worker_refused_by_the_client_budget_pauses_its_task(
         "AGENTBUS_POLL_SEC": "0.1",
     }
     queue = TaskQueue(db)
-    slow = {"simulate": {"sim/a": {"behaviour": "ok", "latency_ms": 3000}}}
+    gate = tmp_path / "holder-may-finish"  # the holder's call lasts until the test says so
+    slow = {"simulate": {"sim/a": {"behaviour": "ok", "wait_for": str(gate)}}}
     holder = queue.enqueue(TaskSpec(agent="a", command="x", models=("sim/a",), payload=slow)).id
     refused = queue.enqueue(TaskSpec(agent="b", command="y", models=("sim/o",))).id
     flags = ("--budget-mode", "enforce", "--client-budget", "1", "--drain", "--log-json")
@@ -177,6 +178,7 @@ def test_a_worker_refused_by_the_client_budget_pauses_its_task(
     (batch,) = events(db, "refused_batch")
     assert batch["detail"]["names"] == ["other"] and batch["source"].startswith("b@")
     assert len(events(db, "budget_warning")) == 1  # 1 of 1 reserved: 100 %
+    gate.touch()
     assert first.wait() == 0, first.text()
     assert queue.get(holder).status == "done"
     assert WorkspaceBudget(db, mode="warn", budget=1, holder="t").reserved() == []  # released

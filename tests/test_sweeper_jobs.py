@@ -281,3 +281,33 @@ def test_an_idempotency_key_outlives_its_pruned_task(db: Database, clock: FakeCl
     jobs.prune(s)
     later = s.queue.enqueue(TaskSpec(agent="a", command="x", models=("sim/a",), key="report-1"))
     assert later.created and later.id != first.id
+
+
+def test_one_failing_job_does_not_stop_the_others(
+    sweep: jobs.Sweep, monkeypatch: pytest.MonkeyPatch, clock: FakeClock
+) -> None:
+    from agentbus.sweeper.service import run_once
+
+    s = sweep
+    task = s.queue.enqueue(TaskSpec(agent="a", command="x", models=("sim/a",)))
+    (claimed,) = s.queue.claim("a", "w", 30)
+    clock.advance(60)  # the lease expired: rescue has work
+
+    def demote(_s: jobs.Sweep) -> dict[str, int]:
+        raise sa.exc.OperationalError(
+            "INSERT INTO ops_todos",
+            {},
+            Exception("ON CONFLICT clause does not match any PRIMARY KEY or UNIQUE constraint"),
+        )
+
+    monkeypatch.setattr(jobs, "ALL", (jobs.rescue, demote, jobs.resume, jobs.purge, jobs.prune))
+    with capture_logs() as logs:
+        counts = run_once(s)
+    assert counts["failed_jobs"] == 1
+    assert counts["rescued"] == 1 and "purged" in counts and "pruned" in counts
+    assert s.queue.get(task.id).status == "queued" and claimed.id == task.id
+    (failure,) = [e for e in logs if e["event"] == "sweep_job_failed"]
+    assert failure["job"] == "demote"
+    assert failure["error"] == (
+        "Exception: ON CONFLICT clause does not match any PRIMARY KEY or UNIQUE constraint"
+    )

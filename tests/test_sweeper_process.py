@@ -6,6 +6,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -59,7 +60,7 @@ def test_two_sweepers_racing_apply_each_transition_once(db_url: str, spawn: Spaw
 
 
 def test_paused_task_is_resumed_after_its_cooldown_and_completed(
-    db_url: str, db: Database, spawn: Spawn
+    db_url: str, db: Database, spawn: Spawn, tmp_path: Path
 ) -> None:
     queue = TaskQueue(db)
     env = {
@@ -69,14 +70,17 @@ def test_paused_task_is_resumed_after_its_cooldown_and_completed(
     }
     worker = spawn("worker", "--agent", "codex", "--db", db_url, "--log-json", env=env)
     sweeper = spawn("sweeper", "--db", db_url, "--interval", "60", "--log-json", env=env)
-    for proc, started in ((worker, "worker_started"), (sweeper, "sweeper_started")):
-        wait_until(lambda p=proc, e=started: e in [x["event"] for x in p.events()])
-    # Enqueued once both run: the worker claims it within its 0.1 s poll, well
-    # inside the second of rate limiting, however slowly the processes started.
-    script = {"simulate": {"sim/a": {"behaviour": "rate_limited", "for_s": 1.0}}}
+    # The model answers 429 until the test has seen the task paused: however slowly
+    # the processes start, the pause happens, and the resume after it.
+    limited_until = tmp_path / "limit-over"
+    script = {
+        "simulate": {"sim/a": {"behaviour": "rate_limited", "until_file": str(limited_until)}}
+    }
     task_id = queue.enqueue(
         TaskSpec(agent="codex", command="x", models=("sim/a",), payload=script)
     ).id
+    wait_until(lambda: queue.get(task_id).status == "paused", timeout=60)
+    limited_until.touch()
     wait_until(lambda: queue.get(task_id).status == "done", timeout=60)
     for proc in (worker, sweeper):
         proc.signal(signal.SIGTERM)

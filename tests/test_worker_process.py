@@ -327,19 +327,22 @@ def test_malformed_rows_written_by_hand_fail_their_task_not_the_worker(
 
 
 def test_batch_claims_are_acknowledged_together_and_released_on_sigterm(
-    db_url: str, queue: TaskQueue, spawn: Spawn
+    db_url: str, queue: TaskQueue, spawn: Spawn, tmp_path: Path
 ) -> None:
-    slow = {"simulate": {"sim/a": {"latency_ms": 300}}}
-    ids = enqueue(queue, "codex", slow, n=8, models=("sim/a",))
+    gate = tmp_path / "gate"  # every call lasts until the test opens the gate
+    held = {"simulate": {"sim/a": {"wait_for": str(gate)}}}
+    ids = enqueue(queue, "codex", held, n=8, models=("sim/a",))
     proc = spawn("worker", "--agent", "codex", "--db", db_url, "--batch", "4", "--log-json")
-    wait_until(lambda: sum(queue.get(i).status == "claimed" for i in ids) == 4)
-    proc.signal(signal.SIGTERM)  # during the first batch's first call
+    wait_until(lambda: Path(f"{gate}.waiting").exists())  # the batch's first call runs
+    assert sum(queue.get(i).status == "claimed" for i in ids) == 4
+    proc.signal(signal.SIGTERM)
+    wait_until(lambda: "shutdown_requested" in proc.text())
+    gate.touch()  # the running call finishes within the grace period
     assert proc.wait() == 0, proc.text()
     statuses = Counter(queue.get(i).status for i in ids)
-    assert statuses["claimed"] == 0 and statuses["done"] >= 1
-    assert statuses["done"] + statuses["queued"] == 8  # nothing lost: the rest went back
+    assert statuses == {"done": 1, "queued": 7}  # nothing lost: the batch's rest went back
     released = [e for i in ids for e in reads.task_events(queue.db, i) if e["reason"] == "shutdown"]
-    assert len(released) == 4 - statuses["done"]
+    assert len(released) == 3
     rest = spawn("worker", "--agent", "codex", "--db", db_url, "--batch", "4", "--drain")
     assert rest.wait() == 0
     assert all(queue.get(i).status == "done" for i in ids)

@@ -99,8 +99,12 @@ class Worker:
         self.stopping.set()
 
     def _noticed_stop(self) -> None:
-        if self.stopping.is_set() and not self._stop_logged:
-            self._stop_logged = True
+        """Say once that a stop was asked for (the loop or the watchdog, whichever sees it
+        first: the watchdog does while the main thread is in a long call)."""
+        with self._lock:
+            first = self.stopping.is_set() and not self._stop_logged
+            self._stop_logged = self._stop_logged or first
+        if first:
             self.log.info("shutdown_requested", reason=self._stop_reason or "stop")
 
     def run(self) -> int:
@@ -210,6 +214,7 @@ class Worker:
                 with self._lock:
                     running, held = self._running, list(self._held)
                 now = time.monotonic()
+                self._noticed_stop()
                 if self.stopping.is_set() and running is not None:
                     grace_ends = grace_ends or now + self.options.grace_sec
                     if now >= grace_ends:

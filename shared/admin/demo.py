@@ -88,7 +88,10 @@ class Demo:
             migrate(db)
             self.echo(f"database: {self.url}")
             self._start_children()
-            started = time.time()
+            if not self._wait_for_workers(db):
+                self.echo(f"the workers did not start (see the logs in {self.workdir})")
+                return 1
+            started = time.time()  # the rate-limit episode starts now that all run
             ids = enqueue_tasks(TaskQueue(db), self.plan, started)
             self.echo(
                 f"queued {len(ids)} tasks for {', '.join(AGENTS)}; sim/opus is "
@@ -130,6 +133,18 @@ class Demo:
             )
             log.close()
         self.echo(f"started a sweeper and {len(AGENTS)} workers (logs in {self.workdir})")
+
+    def _wait_for_workers(self, db: Database) -> bool:
+        """Until every agent's worker has registered (however slowly the machine
+        starts processes), so the tasks meet the rate limit they are meant to."""
+        deadline = time.monotonic() + self.plan.timeout
+        while time.monotonic() < deadline:
+            if reads.live_agents(db) >= set(AGENTS):
+                return True
+            if any(c.poll() is not None for c in self.children):
+                return False
+            time.sleep(0.1)
+        return False
 
     def _watch(self, db: Database, started: float, total: int) -> bool:
         cooldowns = CooldownStore(db, cache_sec=1e-9)
@@ -204,8 +219,14 @@ class Demo:
             f"  {busctl} --db {self.url} serve     # then open http://127.0.0.1:8765/\n"
             + (f"  {busctl} kpi --sql | sqlite3 {path}\n" if self.url.startswith("sqlite") else "")
         )
+        showed = kpis[0].numerator > 0 and kpis[1].denominator > 0
+        if not showed:
+            self.echo(
+                "nothing was paused and resumed: the demo did not show what it is for "
+                f"(see the logs in {self.workdir})"
+            )
         ok = finished and done == total and kpis[0].passed is not False and kpis[3].passed
-        return 0 if ok else 1
+        return 0 if ok and showed else 1
 
 
 def _command(name: str) -> str:

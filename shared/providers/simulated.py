@@ -8,6 +8,8 @@ name — ``ok``, ``rate_limited``, ``overloaded``, ``timeout``, ``retryable``
 
 ``wait_for`` (a file path) holds the call until that file exists, announcing
 the wait with ``<path>.waiting``: tests hold a call in flight with it.
+``until_file`` (a path) limits the behaviour to calls made before that file
+exists: a test ends a rate-limit episode by creating it.
 ``until`` (epoch seconds) or ``for_s`` (seconds after the task was created)
 limit the behaviour in time; after that the model answers ok. ``accounts``
 (a list of account names) limits it to calls through those accounts of the
@@ -40,7 +42,16 @@ from agentbus.queue.tasks import InvalidTask
 
 BEHAVIOURS = (*(n.value for n in OutcomeName), *ALIASES)
 MAX_LATENCY_MS = 600_000
-_KEYS = {"behaviour", "until", "for_s", "retry_after_s", "latency_ms", "accounts", "wait_for"}
+_KEYS = {
+    "behaviour",
+    "until",
+    "until_file",
+    "for_s",
+    "retry_after_s",
+    "latency_ms",
+    "accounts",
+    "wait_for",
+}
 
 
 def script_for(payload: Mapping[str, Any], model: str) -> dict[str, Any]:
@@ -74,9 +85,10 @@ def script_for(payload: Mapping[str, Any], model: str) -> dict[str, Any]:
         not isinstance(accounts, list) or not all(isinstance(a, str) for a in accounts)
     ):
         raise InvalidTask(f"payload.simulate[{model!r}].accounts must be a list of account names")
-    wait_for = script.get("wait_for")
-    if wait_for is not None and (not isinstance(wait_for, str) or not wait_for):
-        raise InvalidTask(f"payload.simulate[{model!r}].wait_for must be a file path")
+    for key in ("wait_for", "until_file"):
+        path = script.get(key)
+        if path is not None and (not isinstance(path, str) or not path):
+            raise InvalidTask(f"payload.simulate[{model!r}].{key} must be a file path")
     if (script.get("latency_ms") or 0) > MAX_LATENCY_MS:
         raise InvalidTask(
             f"payload.simulate[{model!r}].latency_ms must be at most {MAX_LATENCY_MS}"
@@ -113,6 +125,8 @@ class SimulatedProvider:
         if script.get("for_s") is not None:
             until = (request.created_at or now) + script["for_s"]
         if until is not None and now >= until:
+            behaviour = "ok"
+        if script.get("until_file") and os.path.exists(script["until_file"]):
             behaviour = "ok"
         outcome = self._outcome(behaviour, request, script)
         self._log(request, behaviour, started, now)

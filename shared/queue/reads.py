@@ -13,7 +13,7 @@ from agentbus.errors import TaskNotFound
 from agentbus.queue import events
 from agentbus.queue.tasks import Task
 from agentbus.schema import bus_commands as t
-from agentbus.schema import circuits, route_log
+from agentbus.schema import circuits, route_log, workers
 
 
 def get_task(db: Database, task_id: int) -> Task:
@@ -36,6 +36,13 @@ def counts(db: Database) -> Counter[tuple[str, str]]:
         ).all()
     )
     return Counter({(status, agent): n for status, agent, n in rows})
+
+
+def live_agents(db: Database) -> set[str]:
+    """The agents that have a registered worker now."""
+    query = sa.select(workers.c.agent).distinct()
+    rows = db.read(lambda conn: conn.execute(query).scalars().all())
+    return set(rows)
 
 
 def list_tasks(
