@@ -143,13 +143,18 @@ def test_backoff_at_3_5_10_failures_and_reset_by_success(
     assert reads.counts(queue.db) == {("failed", "codex"): 12, ("done", "codex"): 1}
 
 
-def test_sigterm_lets_a_short_call_finish(db_url: str, queue: TaskQueue, spawn: Spawn) -> None:
+def test_sigterm_lets_a_short_call_finish(
+    db_url: str, queue: TaskQueue, spawn: Spawn, tmp_path: Path
+) -> None:
+    gate = tmp_path / "gate"  # the call lasts until the test opens the gate
     (task_id,) = enqueue(
-        queue, "codex", {"simulate": {"sim/a": {"latency_ms": 1500}}}, models=("sim/a",)
+        queue, "codex", {"simulate": {"sim/a": {"wait_for": str(gate)}}}, models=("sim/a",)
     )
-    proc = spawn("worker", "--agent", "codex", "--db", db_url, "--grace", "30")
-    wait_until(lambda: queue.get(task_id).status == "claimed")
+    proc = spawn("worker", "--agent", "codex", "--db", db_url, "--grace", "30", "--log-json")
+    wait_until(lambda: Path(f"{gate}.waiting").exists())  # the call is running
     proc.signal(signal.SIGTERM)
+    wait_until(lambda: "shutdown_requested" in proc.text())
+    gate.touch()  # it ends within the grace period
     assert proc.wait() == 0
     assert queue.get(task_id).status == "done"
 
