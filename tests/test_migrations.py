@@ -239,17 +239,29 @@ def test_claim_and_due_queries_are_index_range_scans(db: Database) -> None:
 def test_alembic_upgrade_head_from_the_checkout(empty_db_url: str) -> None:
     """`alembic upgrade head` in the repository does what `busctl migrate` does."""
     root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
+    env = {**clean_env(), "AGENTBUS_DATABASE_URL": empty_db_url}
     done = subprocess.run(
-        [str(Path(sys.executable).with_name("alembic")), "upgrade", "head"],
+        [command("alembic"), "upgrade", "head"],
         cwd=root,
-        env={**env, "AGENTBUS_DATABASE_URL": empty_db_url},
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    db = Database(empty_db_url)
+    assert_at_head(empty_db_url)
+
+
+def command(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
+
+
+def assert_at_head(url: str) -> None:
+    db = Database(url)
     try:
         assert db.current_revision() == HEAD
         assert schema_diff(db) == []
@@ -259,23 +271,11 @@ def test_alembic_upgrade_head_from_the_checkout(empty_db_url: str) -> None:
 
 def test_concurrent_migrations_take_turns(empty_db_url: str) -> None:
     """Three `busctl migrate` at once on a fresh database: every one exits 0."""
-    exe = str(Path(sys.executable).with_name("busctl"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
+    argv = [command("busctl"), "--db", empty_db_url, "migrate"]
     procs = [
-        subprocess.Popen(
-            [exe, "--db", empty_db_url, "migrate"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        subprocess.Popen(argv, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         for _ in range(3)
     ]
     results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
     assert [code for code, _, _ in results] == [0, 0, 0], results
-    db = Database(empty_db_url)
-    try:
-        assert db.current_revision() == HEAD
-        assert schema_diff(db) == []
-    finally:
-        db.dispose()
+    assert_at_head(empty_db_url)
