@@ -89,7 +89,10 @@ def workers(spawn: Spawn, db_url: str, env: dict[str, str], n: int, *extra: str)
 
 
 def stop(procs: list[Proc]) -> None:
+    """SIGTERM each process once it has started (a signal before its handler is in place
+    would kill it: a fast test can finish while a slow process still imports)."""
     for p in procs:
+        wait_until(lambda p=p: "worker_started" in p.text() or "sweeper_started" in p.text())
         p.signal(signal.SIGTERM)
     assert [p.wait() for p in procs] == [0] * len(procs), [p.text()[-2000:] for p in procs]
 

@@ -267,6 +267,8 @@ def serve_cmd(
     except OSError as exc:
         raise BusError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     bound = server.server_address[1]
+    # Before saying it serves: whoever reads that line may stop it at once.
+    cli.on_stop_signals(lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     if not serve.is_loopback(host):
         click.echo(
             f"busctl: warning: serving on {host}, beyond this machine, without authentication: "
@@ -277,7 +279,6 @@ def serve_cmd(
         f"busctl: serving http://{host}:{bound}/ (status: /workspace/status, metrics: /metrics)",
         err=True,
     )
-    cli.on_stop_signals(lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
