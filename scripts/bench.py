@@ -59,6 +59,7 @@ from pathlib import Path
 import compare
 import psycopg
 import sqlalchemy as sa
+import startup
 
 from agentbus.admission.admission import Admission, Permit
 from agentbus.admission.cooldowns import CooldownStore
@@ -404,46 +405,6 @@ def bench_admission(db: Database, calls: int) -> list[tuple[str, str]]:
     return rows
 
 
-def bench_startup(runs: int) -> list[tuple[str, ...]]:
-    """Wall time of a command from exec to exit, median and max of ``runs``: what a
-    user waits for at the prompt (the interpreter, imports, the command's work)."""
-    bin_dir = Path(sys.executable).parent
-    with tempfile.TemporaryDirectory() as tmp:
-        url = f"sqlite:///{tmp}/startup.db"
-        subprocess.run(
-            [str(bin_dir / "busctl"), "--db", url, "migrate"], check=True, capture_output=True
-        )
-        commands = {
-            "busctl --help": ["busctl", "--help"],
-            "worker --help": ["worker", "--help"],
-            "sweeper --help": ["sweeper", "--help"],
-            "busctl --version": ["busctl", "--version"],
-            "busctl enqueue (SQLite)": [
-                "busctl",
-                "--db",
-                url,
-                "enqueue",
-                "--agent",
-                "a",
-                "--models",
-                "sim/a",
-                "hello",
-            ],
-            "busctl status (SQLite)": ["busctl", "--db", url, "status"],
-        }
-        rows: list[tuple[str, ...]] = []
-        for label, argv in commands.items():
-            times = []
-            for _ in range(runs):
-                started = time.perf_counter()
-                subprocess.run([str(bin_dir / argv[0]), *argv[1:]], check=True, capture_output=True)
-                times.append(time.perf_counter() - started)
-            times.sort()
-            median = times[len(times) // 2]
-            rows.append((label, f"{median * 1000:,.0f} ms", f"{times[-1] * 1000:,.0f} ms"))
-    return rows
-
-
 def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     db = Database(url, sqlite_synchronous=args.sqlite_synchronous)
     rows = bench_enqueue(TaskQueue(db), args.single, args.tasks * 2)
@@ -483,7 +444,7 @@ def main() -> None:
 
     print_table(
         [f"command (start to exit, {args.startup_runs} runs)", "median", "max"],
-        bench_startup(args.startup_runs),
+        startup.bench(args.startup_runs),
     )
     print()
     if args.startup_only:
@@ -506,30 +467,12 @@ def main() -> None:
 def compare_rows(args: argparse.Namespace) -> list[tuple[str, ...]]:
     """The same drain through other queues, when installed (pip install -e .[bench])."""
     n, procs, sync = args.compare_tasks, 2, args.sqlite_synchronous
-    rows: list[tuple[str, ...]] = []
-    others = {
-        "sqlite": [("huey", "huey", compare.huey_sqlite)],
-        "postgresql": [
-            ("procrastinate", "procrastinate", compare.procrastinate_pg),
-            ("pgqueuer", "pgqueuer (asyncpg)", compare.pgqueuer_pg),
-        ],
-    }
-    for backend in args.backends.split(","):
+
+    def ours(backend: str) -> dict[int, float]:
         with database(backend, sync) as url:
-            ours = {batch: worker_drain(url, sync, procs, n, batch)[0] for batch in (1, 10)}
-        for batch, rate in ours.items():
-            rows.append((backend, f"agentbus worker, batch {batch}", f"{rate:,.0f}", ""))
-        for module, label, run in others.get(backend, []):
-            if not (
-                compare.installed(module) and (module != "pgqueuer" or compare.installed("asyncpg"))
-            ):
-                rows.append((backend, label, "not installed (pip install -e .[bench])", ""))
-                continue
-            theirs = run(n, procs)
-            ratio = " / ".join(f"{ours[b] / theirs:.2f}x (batch {b})" for b in ours)
-            rows.append((backend, label, f"{theirs:,.0f}", ratio))
-        print(f"# {backend} compared", file=sys.stderr)
-    return rows
+            return {batch: worker_drain(url, sync, procs, n, batch)[0] for batch in (1, 10)}
+
+    return compare.side_by_side(args.backends.split(","), n, procs, ours)
 
 
 def print_table(headers: list[str], rows: list[tuple[str, ...]]) -> None:

@@ -206,3 +206,31 @@ def _expect_zero(conninfo: str, sql: str) -> None:
         row = conn.execute(sql).fetchone()
     if row is None or row[0] != 0:
         raise RuntimeError(f"queue not drained: {sql} -> {row}")
+
+
+def side_by_side(
+    backends: list[str], n: int, procs: int, ours: Callable[[str], dict[int, float]]
+) -> list[tuple[str, ...]]:
+    """Rows of a table: agentbus's drain rate per batch size (``ours``) beside each peer's
+    on the same backend, with the ratios."""
+    rows: list[tuple[str, ...]] = []
+    others = {
+        "sqlite": [("huey", "huey", huey_sqlite)],
+        "postgresql": [
+            ("procrastinate", "procrastinate", procrastinate_pg),
+            ("pgqueuer", "pgqueuer (asyncpg)", pgqueuer_pg),
+        ],
+    }
+    for backend in backends:
+        rates = ours(backend)
+        for batch, rate in rates.items():
+            rows.append((backend, f"agentbus worker, batch {batch}", f"{rate:,.0f}", ""))
+        for module, label, run in others.get(backend, []):
+            if not (installed(module) and (module != "pgqueuer" or installed("asyncpg"))):
+                rows.append((backend, label, "not installed (pip install -e .[bench])", ""))
+                continue
+            theirs = run(n, procs)
+            ratio = " / ".join(f"{rates[b] / theirs:.2f}x (batch {b})" for b in rates)
+            rows.append((backend, label, f"{theirs:,.0f}", ratio))
+        print(f"# {backend} compared", file=sys.stderr)
+    return rows

@@ -46,7 +46,7 @@ def register_config(catalog: Any, environ: Mapping[str, str], database_url: str 
     }
     values = [environ.get(name) for name in names]
     if database_url:
-        values.append(_password(database_url))
+        values += _passwords(database_url)
     register(values)
 
 
@@ -75,9 +75,18 @@ def _shape(match: re.Match[str]) -> str:
     return f"{match.group(1) or match.group(2)}{MASK}"  # the prefix stays, for the reader
 
 
-def _password(url: str) -> str | None:
-    found = re.match(r"^[^:/]+(?:\+[^:/]+)?://[^:/@]+:([^@]*)@", url)
-    return found.group(1) if found else None
+def _passwords(url: str) -> list[str | None]:
+    """The URL's password as written (percent-encoded) and as decoded, through the
+    URL parser every database connection uses."""
+    from urllib.parse import quote_plus
+
+    import sqlalchemy as sa
+
+    try:
+        password = sa.make_url(url).password
+    except sa.exc.ArgumentError:
+        return []
+    return [str(password), quote_plus(str(password))] if password is not None else []
 
 
 def log_processor(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import sqlalchemy as sa
 
 from agentbus.db import Database, migrate
 from agentbus.queue import TaskQueue
-from tests.support import FakeClock, Proc
+from tests.support import FakeClock, Proc, clean_env
 
 PG_URL = os.environ.get(
     "AGENTBUS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -168,7 +168,7 @@ def run_busctl() -> Callable[..., subprocess.CompletedProcess[str]]:
     def run(
         *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
     ) -> subprocess.CompletedProcess[str]:
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
+        clean = clean_env()
         return subprocess.run(
             [str(exe), *args],
             capture_output=True,
@@ -188,7 +188,7 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
     counter = iter(range(1000))
 
     def start(program: str, *args: str, env: dict[str, str] | None = None) -> Proc:
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
+        clean = clean_env()
         exe = str(Path(sys.executable).with_name(program))
         proc = Proc(
             [exe, *args], {**clean, **(env or {})}, str(tmp_path / f"{program}-{next(counter)}.log")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -21,6 +22,11 @@ class FakeClock:
     def advance(self, seconds: float) -> float:
         self.now += seconds
         return self.now
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without any AGENTBUS_* variable (for a child process)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
 
 
 def wait_until(predicate: Callable[[], T], *, timeout: float = 30.0, every: float = 0.05) -> T:

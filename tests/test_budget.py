@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from agentbus.queue import TaskQueue
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import bus_events
 from tests import procs
-from tests.support import FakeClock, Proc, wait_until
+from tests.support import FakeClock, Proc, clean_env, wait_until
 
 
 def events(db: Database, kind: str) -> list[dict[str, Any]]:
@@ -193,7 +192,7 @@ def test_a_worker_refused_by_the_client_budget_pauses_its_task(
 )
 def test_enforce_without_a_budget_stops_start_up(db_url: str, argv: list[str]) -> None:
     exe = str(Path(sys.executable).with_name(argv[0]))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
+    env = clean_env()
     run = subprocess.run(
         [exe, "--db", db_url, *argv[1:]], capture_output=True, text=True, timeout=60, env=env
     )

@@ -46,17 +46,21 @@ def test_short_chaos_run_loses_nothing(db_url: str, tmp_path: Path) -> None:
     assert sum(report.statuses.values()) == 300
 
 
-def test_a_worker_killed_mid_call_loses_nothing(db_url: str, spawn: Callable[..., Proc]) -> None:
+def test_a_worker_killed_mid_call_loses_nothing(
+    db_url: str, spawn: Callable[..., Proc], tmp_path: Path
+) -> None:
     db = Database(db_url)
     queue = TaskQueue(db)
-    script = {"simulate": {"sim/a": {"latency_ms": 60_000}}}
+    never = tmp_path / "never"  # the call waits for a file nobody creates
+    script = {"simulate": {"sim/a": {"wait_for": str(never)}}}
     task_id = queue.enqueue(
         TaskSpec(agent="codex", command="x", models=("sim/a",), payload=script)
     ).id
     env = {"AGENTBUS_LEASE_SEC": "1", "AGENTBUS_SWEEP_INTERVAL_SEC": "0.5"}
     doomed = spawn("worker", "--agent", "codex", "--db", db_url, env=env)
-    wait_until(lambda: queue.get(task_id).status == "claimed")
+    wait_until(lambda: Path(f"{never}.waiting").exists())  # in the middle of the call
     first = queue.get(task_id)
+    assert first.status == "claimed"
     doomed.popen.send_signal(signal.SIGKILL)
     doomed.wait()
     sweeper = spawn("sweeper", "--db", db_url, env=env)

@@ -13,7 +13,7 @@ import pytest
 from agentbus.admin import kpi
 from agentbus.db import Database
 from agentbus.queue import reads
-from tests.support import wait_until
+from tests.support import clean_env, wait_until
 
 pytestmark = pytest.mark.process
 BUSCTL = str(Path(sys.executable).with_name("busctl"))
@@ -33,10 +33,6 @@ def children_of(url: str) -> list[int]:
         if needle in environ.split(b"\0"):
             found.append(int(entry.name))
     return found
-
-
-def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
 
 
 def test_quick_demo_runs_to_completion(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ they adopt the older system's bus_commands table in place."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from agentbus.migrations import HEAD
 from agentbus.queue import TaskQueue
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import metadata
+from tests.support import clean_env
 
 LEGACY_SQLITE = """
 CREATE TABLE bus_commands (
@@ -254,10 +254,6 @@ def test_alembic_upgrade_head_from_the_checkout(empty_db_url: str) -> None:
 
 def command(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
-
-
-def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
 
 
 def assert_at_head(url: str) -> None:

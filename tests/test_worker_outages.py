@@ -3,7 +3,6 @@ its retries while a call runs, and SIGTERM while its log output is back-pressure
 
 from __future__ import annotations
 
-import os
 import signal
 import sqlite3
 import subprocess
@@ -25,7 +24,7 @@ from agentbus.queue import TaskQueue, reads
 from agentbus.queue.tasks import TaskSpec
 from agentbus.worker.loop import Options, Worker
 from tests.conftest import _pg_conninfo
-from tests.support import Proc, wait_until
+from tests.support import Proc, clean_env, wait_until
 
 pytestmark = pytest.mark.process
 Spawn = Callable[..., Proc]
@@ -165,7 +164,8 @@ def writing_to_a_full_pipe(pid: int) -> bool:
 
 
 def read_slowly(pipe: IO[bytes]) -> None:
-    """A back-pressured reader (a slow journald, a busy terminal)."""
+    """A back-pressured reader (a slow journald, a busy terminal). The pause is the
+    reader's pace, what keeps the pipe full; no state here waits on it."""
     while pipe.read(64):
         time.sleep(0.02)
 
@@ -177,7 +177,7 @@ def test_sigterm_always_stops_a_worker_whose_stderr_is_read_slowly(
     db = Database(db_url)
     queue = TaskQueue(db)
     exe = str(Path(sys.executable).with_name("worker"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
+    env = clean_env()
     env["AGENTBUS_LOG_LEVEL"] = "DEBUG"  # several lines per task: the pipe stays full
     for _ in range(5):
         before = reads.counts(db).get(("done", "codex"), 0)

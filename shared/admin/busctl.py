@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from agentbus import cli
+from agentbus.admin import render
 from agentbus.config import Settings, load_config
 from agentbus.errors import BusError
 from agentbus.queue.states import TaskStatus
@@ -137,48 +138,7 @@ def status_cmd(c: Context, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(doc, indent=2, default=str))
         return
-    statuses = [s.value for s in TaskStatus]
-    agents = sorted(doc["queue"])
-    rows = [[a, *(doc["queue"][a].get(s, 0) for s in statuses)] for a in agents]
-    rows.append(["(all)", *(doc["totals"].get(s, 0) for s in statuses)])
-    click.echo(cli.table(["agent", *statuses], rows))
-    s = c.settings
-    used = doc["usage_today"]
-    tokens = sum(u["tokens"] for u in used)
-    cost = sum(u["cost"] for u in used)
-    budget = f" of {s.daily_token_budget:,}" if s.daily_token_budget else ""
-    cost_budget = f" of {s.daily_cost_budget:g}" if s.daily_cost_budget else ""
-    click.echo(f"\nusage today (UTC): {tokens:,} tokens{budget}, cost {cost:.4f}{cost_budget}")
-    if used:
-        click.echo(
-            cli.table(
-                ["model", "calls", "tokens", "cost"],
-                [[u["model"], u["calls"], u["tokens"], f"{u['cost']:.4f}"] for u in used],
-            )
-        )
-    if doc["circuits"]:
-        click.echo("\ncircuits:")
-        click.echo(
-            cli.table(
-                ["provider", "state", "failures in a row", "open until"],
-                [
-                    [
-                        r["provider"],
-                        r["state"],
-                        r["consecutive_failures"],
-                        cli.fmt_time(r["open_until"]) if r["open_until"] else "",
-                    ]
-                    for r in doc["circuits"]
-                ],
-            )
-        )
-    b = doc["budget"]
-    if b["mode"] != "off":
-        limit = f" of {b['budget']}" if b["budget"] else ""
-        click.echo(
-            f"\nclient budget ({b['mode']}, {b['scope']}): {b['count']}{limit} reserved"
-            + (f"; last refused: {', '.join(b['last_refused'])}" if b["last_refused"] else "")
-        )
+    click.echo(render.status(doc, c.settings))
 
 
 @busctl.command("events")
@@ -415,29 +375,7 @@ def routes_cmd(c: Context, limit: int, task_id: int | None, as_json: bool) -> No
     if as_json:
         click.echo(json.dumps(rows, indent=2, default=str))
         return
-    table = []
-    for r in rows:
-        why = r["outcome"] or r["code"] or ""
-        if r["retry_after"]:
-            why += f" until {cli.fmt_time(r['retry_after'])}"
-        table.append(
-            [
-                cli.fmt_time(r["at"]),
-                r["task_id"],
-                r["role"] or "",
-                (r["fallback_from"] or "") and f"<- {r['fallback_from']}",
-                r["provider"] or "",
-                r["model"],
-                r["account"] or "",
-                r["decision"],
-                why,
-                r["prompt_tokens"] + r["completion_tokens"]
-                if r["prompt_tokens"] is not None
-                else "",
-            ]
-        )
-    headers = ["at", "task", "role", "fallback", "provider", "model", "account", "decision"]
-    click.echo(cli.table([*headers, "outcome", "tokens"], table))
+    click.echo(render.routes(rows))
 
 
 @busctl.command("kpi")

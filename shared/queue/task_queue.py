@@ -109,7 +109,7 @@ class TaskQueue(SweepOps):
         return self.db.write(work) if specs else []
 
     def _row(self, spec: TaskSpec, now: float) -> dict[str, Any]:
-        check_payload(spec.payload, self.payload_limits)
+        check_payload(spec, self.payload_limits)
         return {
             "agent": spec.agent,
             "command": spec.command,

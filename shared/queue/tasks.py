@@ -48,6 +48,9 @@ class TaskSpec:
     delay_sec: float = 0.0
     max_attempts: int | None = None
     key: str | None = None
+    # Measured once by validate(), for the limits the queue checks at enqueue.
+    payload_depth: int = field(default=0, init=False, repr=False, compare=False)
+    payload_bytes: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -86,12 +89,16 @@ def validate(spec: TaskSpec) -> None:
         raise InvalidTask(f"invalid role name {spec.role!r}")
     if not isinstance(spec.payload, Mapping):
         raise InvalidTask("the payload must be a JSON object")
-    if depth(spec.payload) > HARD_MAX_DEPTH:
+    nesting = depth(spec.payload)
+    if nesting > HARD_MAX_DEPTH:
         raise InvalidTask(f"the payload nests deeper than {HARD_MAX_DEPTH} levels")
     try:
-        _unicode("payload", json.dumps(spec.payload, allow_nan=False, ensure_ascii=False))
+        encoded = json.dumps(spec.payload, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise InvalidTask(f"the payload is not JSON: {exc}") from None
+    _unicode("payload", encoded)
+    object.__setattr__(spec, "payload_depth", nesting)  # a frozen value: measured once here
+    object.__setattr__(spec, "payload_bytes", len(encoded.encode("utf-8")))
     if isinstance(spec.priority, bool) or not isinstance(spec.priority, int):
         raise InvalidTask("priority must be an integer")
     if not -1_000_000 <= spec.priority <= 1_000_000:
@@ -112,13 +119,14 @@ def validate(spec: TaskSpec) -> None:
         raise InvalidTask("the idempotency key must be 1 to 255 characters")
 
 
-def check_payload(payload: Mapping[str, Any], limits: PayloadLimits) -> None:
-    """Raise InvalidTask when a payload is larger or nests deeper than ``limits`` allow."""
-    if depth(payload) > limits.max_depth:
+def check_payload(spec: TaskSpec, limits: PayloadLimits) -> None:
+    """Raise InvalidTask when a payload is larger or nests deeper than ``limits`` allow
+    (from the measures validate() took)."""
+    if spec.payload_depth > limits.max_depth:
         raise InvalidTask(
             f"the payload nests deeper than {limits.max_depth} levels (setting max_payload_depth)"
         )
-    size = len(json.dumps(payload, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    size = spec.payload_bytes
     if size > limits.max_bytes:
         raise InvalidTask(
             f"the payload is {size:,} bytes, more than {limits.max_bytes:,} "

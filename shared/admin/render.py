@@ -1,0 +1,83 @@
+"""busctl's text views: the status document and the routing history as tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentbus import cli
+from agentbus.config import Settings
+from agentbus.queue.states import TaskStatus
+
+
+def status(doc: dict[str, Any], settings: Settings) -> str:
+    """The status document as ``busctl status`` prints it."""
+    out: list[str] = []
+    statuses = [state.value for state in TaskStatus]
+    agents = sorted(doc["queue"])
+    rows = [[a, *(doc["queue"][a].get(st, 0) for st in statuses)] for a in agents]
+    rows.append(["(all)", *(doc["totals"].get(st, 0) for st in statuses)])
+    out.append(cli.table(["agent", *statuses], rows))
+    used = doc["usage_today"]
+    tokens = sum(u["tokens"] for u in used)
+    cost = sum(u["cost"] for u in used)
+    budget = f" of {settings.daily_token_budget:,}" if settings.daily_token_budget else ""
+    cost_budget = f" of {settings.daily_cost_budget:g}" if settings.daily_cost_budget else ""
+    out.append(f"\nusage today (UTC): {tokens:,} tokens{budget}, cost {cost:.4f}{cost_budget}")
+    if used:
+        out.append(
+            cli.table(
+                ["model", "calls", "tokens", "cost"],
+                [[u["model"], u["calls"], u["tokens"], f"{u['cost']:.4f}"] for u in used],
+            )
+        )
+    if doc["circuits"]:
+        out.append("\ncircuits:")
+        out.append(
+            cli.table(
+                ["provider", "state", "failures in a row", "open until"],
+                [
+                    [
+                        r["provider"],
+                        r["state"],
+                        r["consecutive_failures"],
+                        cli.fmt_time(r["open_until"]) if r["open_until"] else "",
+                    ]
+                    for r in doc["circuits"]
+                ],
+            )
+        )
+    b = doc["budget"]
+    if b["mode"] != "off":
+        limit = f" of {b['budget']}" if b["budget"] else ""
+        out.append(
+            f"\nclient budget ({b['mode']}, {b['scope']}): {b['count']}{limit} reserved"
+            + (f"; last refused: {', '.join(b['last_refused'])}" if b["last_refused"] else "")
+        )
+    return "\n".join(out)
+
+
+def routes(rows: list[dict[str, Any]]) -> str:
+    """Routing decisions, newest first, as ``busctl routes`` prints them."""
+    table = []
+    for r in rows:
+        why = r["outcome"] or r["code"] or ""
+        if r["retry_after"]:
+            why += f" until {cli.fmt_time(r['retry_after'])}"
+        table.append(
+            [
+                cli.fmt_time(r["at"]),
+                r["task_id"],
+                r["role"] or "",
+                (r["fallback_from"] or "") and f"<- {r['fallback_from']}",
+                r["provider"] or "",
+                r["model"],
+                r["account"] or "",
+                r["decision"],
+                why,
+                r["prompt_tokens"] + r["completion_tokens"]
+                if r["prompt_tokens"] is not None
+                else "",
+            ]
+        )
+    headers = ["at", "task", "role", "fallback", "provider", "model", "account", "decision"]
+    return cli.table([*headers, "outcome", "tokens"], table)
