@@ -184,6 +184,11 @@ class Settings:
         "Failed and errored tasks and their events are deleted after this long (0 keeps them).",
         2592000.0,
     )
+    prune_adopted_tasks: bool = _doc(
+        "Retention also deletes the tasks that were in bus_commands when agentbus adopted "
+        "the older system's database (off: they are kept, and stay retryable).",
+        False,
+    )
 
     @classmethod
     def fields_doc(cls) -> dict[str, str]:

@@ -158,6 +158,20 @@ ops_todos = sa.Table(
     sqlite_autoincrement=True,
 )
 
+#: What ``busctl migrate`` found of the older system (agentbus.migrations.adoption):
+#: a table kept aside as ``kept_as`` and put back on downgrade, and for bus_commands
+#: the highest task id it held (retention leaves those tasks alone by default).
+adopted_tables = sa.Table(
+    "adopted_tables",
+    metadata,
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("kept_as", sa.Text),
+    sa.Column("found_rows", sa.BigInteger, nullable=False),
+    sa.Column("max_id", sa.BigInteger),
+    sa.Column("columns_added", sa.JSON),
+    sa.Column("adopted_at", Epoch, nullable=False),
+)
+
 #: Idempotency keys outlive the tasks they created (``key_retention_sec``): the same
 #: key enqueued after its task was pruned still names that task, and runs nothing.
 idempotency_keys = sa.Table(
@@ -207,6 +221,8 @@ route_log = sa.Table(
     sa.Column("code", sa.Text),  # a refusal's code (decision refuse or skip)
     sa.Column("retry_after", Epoch),  # when the refusing gate admits again
     sa.Column("gates", sa.JSON),  # gate -> "ok" or its refusal
+    # Migration 0009: the refusal as clients see it (agentbus.admission.gates.Refusal.as_dict).
+    sa.Column("refusal", sa.JSON),
     sa.Column("prompt_tokens", sa.Integer),
     sa.Column("completion_tokens", sa.Integer),
     sa.Column("cost", sa.Float),
@@ -357,3 +373,14 @@ bus_events = sa.Table(
 )
 sa.Index("ix_bus_events_kind", bus_events.c.kind, bus_events.c.id)
 sa.Index("ix_bus_events_at", bus_events.c.at)
+
+#: Settings of the whole workspace (every process reads them; ``busctl`` writes them):
+#: ``budget_mode`` and ``client_budget`` of the client budget.
+workspace_settings = sa.Table(
+    "workspace_settings",
+    metadata,
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("value", sa.JSON, nullable=False),
+    sa.Column("updated_at", Epoch, nullable=False),
+    sa.Column("updated_by", sa.Text),
+)

@@ -201,6 +201,7 @@ def prune(s: Sweep) -> dict[str, int]:
         failed_sec=s.settings.failed_retention_sec,
         routes_sec=s.settings.route_retention_sec,
         keys_sec=s.settings.key_retention_sec,
+        adopted=s.settings.prune_adopted_tasks,
         batch=s.settings.sweep_batch,
     )
     return {"pruned": gone}

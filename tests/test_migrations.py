@@ -19,39 +19,8 @@ from agentbus.migrations import HEAD
 from agentbus.queue import TaskQueue
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import metadata
+from tests import legacy_db
 from tests.support import clean_env
-
-LEGACY_SQLITE = """
-CREATE TABLE bus_commands (
-  id INTEGER PRIMARY KEY AUTOINCREMENT,
-  agent TEXT NOT NULL,
-  command TEXT,
-  status TEXT NOT NULL DEFAULT 'queued'
-    CHECK (status IN ('queued','claimed','done','failed','error')),
-  result_note TEXT,
-  created_at REAL,
-  updated_at REAL,
-  origin TEXT DEFAULT 'orchestrator'
-)"""
-LEGACY_POSTGRES = """
-CREATE TABLE bus_commands (
-  id SERIAL PRIMARY KEY,
-  agent TEXT NOT NULL,
-  command TEXT,
-  status TEXT NOT NULL DEFAULT 'queued'
-    CHECK (status IN ('queued','claimed','done','failed','error')),
-  result_note TEXT,
-  created_at REAL,
-  updated_at REAL,
-  origin TEXT DEFAULT 'orchestrator'
-)"""
-LEGACY_ROWS = [
-    (1, "codex", "write the parser", "done", "ok", "orchestrator"),
-    (2, "analyst-macro", "macro brief", "failed", "all candidate models are cooling down", "cron"),
-    (3, "codex", "review PR", "claimed", None, "orchestrator"),
-    (4, "ron", "summarise", "queued", None, "slack"),
-    (7, "codex", "explode", "error", "Traceback …", None),
-]
 
 
 def schema_diff(db: Database) -> list[object]:
@@ -90,31 +59,9 @@ def test_down_and_up_again(empty_db_url: str) -> None:
     db.dispose()
 
 
-def _build_legacy(db: Database) -> None:
-    ddl = LEGACY_SQLITE if db.dialect == "sqlite" else LEGACY_POSTGRES
-    with db.engine.begin() as conn:
-        conn.exec_driver_sql(ddl)
-        for row in LEGACY_ROWS:
-            conn.execute(
-                sa.text(
-                    "INSERT INTO bus_commands (id, agent, command, status, result_note, origin,"
-                    " created_at, updated_at) VALUES (:id, :agent, :command, :status, :note,"
-                    " :origin, 1755400000.5, 1755400100.25)"
-                ),
-                dict(zip(["id", "agent", "command", "status", "note", "origin"], row, strict=True)),
-            )
-        # The older system deleted its newest row: ids must still never be reused.
-        conn.execute(
-            sa.text("INSERT INTO bus_commands (id, agent, command) VALUES (9, 'codex', 'gone')")
-        )
-        conn.execute(sa.text("DELETE FROM bus_commands WHERE id = 9"))
-        if db.dialect == "postgresql":
-            conn.execute(sa.text("SELECT setval('bus_commands_id_seq', 9)"))
-
-
 def test_legacy_database_is_adopted_in_place(empty_db_url: str) -> None:
     db = Database(empty_db_url)
-    _build_legacy(db)
+    legacy_db.build(db)
     with db.engine.connect() as conn:
         before = conn.execute(
             sa.text(
@@ -134,7 +81,7 @@ def test_legacy_database_is_adopted_in_place(empty_db_url: str) -> None:
                 " lease_until FROM bus_commands ORDER BY id"
             )
         ).all()
-    assert [tuple(r[:6]) for r in rows] == LEGACY_ROWS
+    assert [tuple(r[:6]) for r in rows] == legacy_db.TASKS
     # Every old column keeps its value (a Postgres REAL column is widened, not rounded).
     assert [(r.created_at, r.updated_at) for r in rows] == [
         (b.created_at, b.updated_at) for b in before
@@ -169,7 +116,7 @@ def test_legacy_database_is_adopted_in_place(empty_db_url: str) -> None:
 def test_busctl_migrate_adopts_a_legacy_sqlite_file(tmp_path: object, run_busctl: object) -> None:
     path = tmp_path / "ops_multiagent.db"  # type: ignore[operator]
     db = Database(f"sqlite:///{path}")
-    _build_legacy(db)
+    legacy_db.build(db)
     db.dispose()
     result = run_busctl("--db", f"sqlite:///{path}", "migrate")  # type: ignore[operator]
     assert result.returncode == 0, result.stderr

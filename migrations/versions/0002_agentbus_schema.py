@@ -1,11 +1,13 @@
 """agentbus schema: paused state, leases and fencing, event log, cooldowns, workers.
 
 Upgrades bus_commands in place (SQLite: batch move-and-copy; every row keeps
-its id, status, text and any column of its own) and creates the other tables,
-adopting model_cooldown and ops_todos where the older system already had them.
+its id, status, text and any column of its own) and creates the other tables.
+An ops_todos or model_cooldown of the older system is kept aside as
+legacy_<name>, its rows copied into agentbus's table (``agentbus.migrations.adoption``).
 Claimed rows of the older system carry no lease: they get one that has
 already expired, so the sweeper re-queues them (at-least-once, never lost).
-Downgrade returns to the older shape; paused tasks go back to queued.
+Downgrade returns to the older shape: paused tasks go back to queued, and the
+tables that were found are put back as they were.
 
 Revision ID: 0002
 Revises: 0001
@@ -18,6 +20,8 @@ import time
 
 import sqlalchemy as sa
 from alembic import op
+
+from agentbus.migrations import adoption
 
 revision = "0002"
 down_revision = "0001"
@@ -98,6 +102,8 @@ def _upgrade_bus_commands() -> None:
     dialect = op.get_bind().dialect.name
     have = _columns("bus_commands")
     missing = [c for c in _new_task_columns() if c.name not in have]
+    if op.get_bind().execute(sa.text("SELECT 1 FROM bus_commands LIMIT 1")).first():
+        adoption.record_bus_commands([c.name for c in missing])
     if dialect == "sqlite":
         seq = _sqlite_sequence()
         with op.batch_alter_table(
@@ -154,19 +160,34 @@ def _upgrade_bus_commands() -> None:
     )
 
 
-def _create_or_adopt(name: str, *columns: sa.Column[object], **kw: object) -> None:
-    """Create table ``name``, or add the columns it lacks if the older system made it."""
-    if not sa.inspect(op.get_bind()).has_table(name):
-        op.create_table(name, *columns, **kw)
-        return
-    have = _columns(name)
-    for column in columns:
-        if isinstance(column, sa.Column) and column.name not in have:
-            column.nullable = True
-            op.add_column(name, column)
+def _create_model_cooldown() -> None:
+    op.create_table(
+        "model_cooldown",
+        sa.Column("model_id", sa.Text, primary_key=True),
+        sa.Column("cooldown_until", Epoch, nullable=False),
+        sa.Column("updated_at", Epoch, nullable=False),
+        sa.Column("reason", sa.Text),
+        sa.Column("source", sa.Text),
+    )
+
+
+def _create_ops_todos() -> None:
+    op.create_table(
+        "ops_todos",
+        sa.Column("id", BigId, primary_key=True),
+        sa.Column("kind", sa.Text, nullable=False),
+        sa.Column("task_id", sa.BigInteger),
+        sa.Column("agent", sa.Text),
+        sa.Column("why", sa.Text, nullable=False),
+        sa.Column("created_at", Epoch, nullable=False),
+        sa.Column("resolved_at", Epoch),
+        sa.UniqueConstraint("kind", "task_id", name="uq_ops_todos_kind_task"),
+        sqlite_autoincrement=True,
+    )
 
 
 def upgrade() -> None:
+    adoption.create_record_table()
     _upgrade_bus_commands()
     op.create_table(
         "task_events",
@@ -183,26 +204,8 @@ def upgrade() -> None:
     )
     op.create_index("ix_task_events_task", "task_events", ["task_id", "id"])
     op.create_index("ix_task_events_at", "task_events", ["at"])
-    _create_or_adopt(
-        "model_cooldown",
-        sa.Column("model_id", sa.Text, primary_key=True),
-        sa.Column("cooldown_until", Epoch, nullable=False),
-        sa.Column("updated_at", Epoch, nullable=False),
-        sa.Column("reason", sa.Text),
-        sa.Column("source", sa.Text),
-    )
-    _create_or_adopt(
-        "ops_todos",
-        sa.Column("id", BigId, primary_key=True),
-        sa.Column("kind", sa.Text, nullable=False),
-        sa.Column("task_id", sa.BigInteger),
-        sa.Column("agent", sa.Text),
-        sa.Column("why", sa.Text, nullable=False),
-        sa.Column("created_at", Epoch, nullable=False),
-        sa.Column("resolved_at", Epoch),
-        sa.UniqueConstraint("kind", "task_id", name="uq_ops_todos_kind_task"),
-        sqlite_autoincrement=True,
-    )
+    adoption.create_or_adopt("model_cooldown", _create_model_cooldown)
+    adoption.create_or_adopt("ops_todos", _create_ops_todos)
     op.create_table(
         "workers",
         sa.Column("id", sa.Text, primary_key=True),
@@ -219,15 +222,20 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table("workers")
-    op.drop_table("ops_todos")
-    op.drop_table("model_cooldown")
+    adoption.restore("ops_todos")
+    adoption.restore("model_cooldown")
     op.drop_table("task_events")
     for index in ("ix_bus_commands_lease", "ix_bus_commands_paused_due", "ix_bus_commands_claim"):
         op.drop_index(index, table_name="bus_commands")
     # The older system knows no paused state: hand those tasks back to the queue.
     op.execute("UPDATE bus_commands SET status = 'queued' WHERE status = 'paused'")
+    added = adoption.columns_added("bus_commands")
     legacy = {"result_note", "created_at", "updated_at"}
-    dropped = [c.name for c in _new_task_columns() if c.name not in legacy]
+    dropped = [
+        c.name
+        for c in _new_task_columns()
+        if (c.name in added if added is not None else c.name not in legacy)
+    ]
     if op.get_bind().dialect.name == "sqlite":
         seq = _sqlite_sequence()
         with op.batch_alter_table(
@@ -247,3 +255,4 @@ def downgrade() -> None:
         for name in dropped:
             op.drop_column("bus_commands", name)
         op.create_check_constraint("ck_bus_commands_status", "bus_commands", LEGACY_CHECK)
+    op.drop_table("adopted_tables")

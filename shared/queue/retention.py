@@ -7,6 +7,10 @@ their own table, whatever became of the task: a key enqueued again within
 that time names its first task and runs nothing.
 0 keeps them forever. Routing history older than ``route_retention_sec`` goes
 too. Deletes go in batches so no transaction grows large.
+
+Tasks that were in the older system's bus_commands when agentbus adopted it
+(ids up to ``adopted_tables.max_id``) are the operators' history, not
+agentbus's: they are kept unless ``adopted`` is True (``prune_adopted_tasks``).
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from sqlalchemy.engine import Connection
 
 from agentbus.db import Database
 from agentbus.queue.states import TaskStatus
+from agentbus.schema import adopted_tables, cooldown_history, route_log
 from agentbus.schema import bus_commands as t
-from agentbus.schema import cooldown_history, route_log
 from agentbus.schema import idempotency_keys as keys
 from agentbus.schema import task_events as ev
 
@@ -35,17 +39,19 @@ def prune(
     batch: int,
     routes_sec: float = 0.0,
     keys_sec: float = 0.0,
+    adopted: bool = False,
     max_batches: int = 100,
 ) -> int:
     """Delete old finished tasks (and their events); returns how many tasks went."""
     total = 0
     finished = ((DONE,), done_sec), ((FAILED, ERROR), failed_sec)
+    first_own = 0 if adopted else adopted_through(db) + 1
     for statuses, keep in finished:
         if keep <= 0:
             continue
         cutoff = now - keep
         for _ in range(max_batches):
-            gone = db.write(_delete_batch(statuses, cutoff, batch))
+            gone = db.write(_delete_batch(statuses, cutoff, batch, first_own))
             total += gone
             if gone < batch:
                 break
@@ -66,14 +72,20 @@ def prune(
     return total
 
 
+def adopted_through(db: Database) -> int:
+    """The highest task id the older system's bus_commands held when adopted (0: none)."""
+    query = sa.select(adopted_tables.c.max_id).where(adopted_tables.c.name == "bus_commands")
+    return int(db.read(lambda conn: conn.execute(query).scalar()) or 0)
+
+
 def _delete_batch(
-    statuses: tuple[TaskStatus, ...], cutoff: float, batch: int
+    statuses: tuple[TaskStatus, ...], cutoff: float, batch: int, first_id: int
 ) -> Callable[[Connection], int]:
     def work(conn: Connection) -> int:
         ids = (
             conn.execute(
                 sa.select(t.c.id)
-                .where(t.c.status.in_(statuses), t.c.updated_at < cutoff)
+                .where(t.c.status.in_(statuses), t.c.updated_at < cutoff, t.c.id >= first_id)
                 .limit(batch)
             )
             .scalars()
