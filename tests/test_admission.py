@@ -108,14 +108,21 @@ def test_rpm_is_a_sliding_window_that_says_when_it_frees(
     refusal = admit(adm, a)
     assert isinstance(refusal, Refusal) and refusal.code is Code.RATE_LIMITED
     assert refusal.retry_after == pytest.approx(first + 60)  # the oldest call leaves the window
-    assert refusal.as_dict(clock.now)["number"] == -32000
+    assert refusal.as_dict(clock.now) == {
+        "code": -32000,
+        "name": "rate_limited",
+        "retry_after_ms": 30_000,
+        "suggested_action": "DO_NOT_RETRY_IMMEDIATELY",
+        "gate": "rpm",
+        "detail": "rpm: 3 calls per 60s for sim/a",
+    }
     assert isinstance(admit(adm, candidate(adm, account="b")), Permit)  # per account
     assert adm.peek(a, agent="codex") == refusal
     clock.now = first + 60.001
     assert adm.peek(a, agent="codex") == Admissible(room=1)  # one call left the window
     assert isinstance(admit(adm, a), Permit)
     assert adm.peek(a, agent="codex") == refusal.__class__(
-        Code.RATE_LIMITED, first + 10 + 60, refusal.detail
+        Code.RATE_LIMITED, first + 10 + 60, refusal.detail, "rpm"
     )
 
 
@@ -163,7 +170,9 @@ def test_global_concurrency_and_bulkheads(db: Database, clock: FakeClock, tmp_pa
     assert isinstance(admit(adm, big), Permit)
     refusal = admit(adm, candidate(adm, "sim/big", "b"))
     assert isinstance(refusal, Refusal) and refusal.code is Code.BULKHEAD_FULL
-    assert refusal.as_dict(clock.now)["number"] == -32002
+    shown = refusal.as_dict(clock.now)
+    assert (shown["code"], shown["name"], shown["gate"]) == (-32002, "bulkhead_full", "bulkhead")
+    assert shown["suggested_action"] == "RETRY_WHEN_A_SLOT_FREES"
     assert isinstance(admit(adm, candidate(adm)), Permit)
     refusal = admit(adm, candidate(adm, account="b"))
     assert isinstance(refusal, Refusal) and refusal.code is Code.CONCURRENCY_FULL
@@ -198,7 +207,9 @@ def test_cooldowns_of_a_model_and_of_one_account(
     assert refusal.retry_after == clock.now + 50
     assert isinstance(admit(adm, b), Permit)
     adm.cooldowns.set("sim/a", clock.now + 70, reason="RateLimited")
-    assert admit(adm, b) == Refusal(Code.COOLDOWN, clock.now + 70, "sim/a@b is cooling down")
+    assert admit(adm, b) == Refusal(
+        Code.COOLDOWN, clock.now + 70, "sim/a@b is cooling down", "cooldown"
+    )
     assert isinstance(admit(adm, a), Refusal) and admit(adm, a).retry_after == clock.now + 70
 
 
@@ -220,7 +231,12 @@ def test_circuit_opens_sends_one_probe_and_closes(
     refusal = admit(adms[3], edge)
     assert isinstance(refusal, Refusal) and refusal.code is Code.CIRCUIT_OPEN
     assert refusal.retry_after == pytest.approx(clock.now + 30)
-    assert refusal.as_dict(clock.now)["number"] == -32001
+    shown = refusal.as_dict(clock.now)
+    assert (shown["code"], shown["name"], shown["gate"]) == (-32001, "circuit_open", "circuit")
+    assert (shown["retry_after_ms"], shown["suggested_action"]) == (
+        30_000,
+        "WAIT_FOR_CIRCUIT_PROBE",
+    )
     clock.advance(30)
     answers = [admit(adm, edge) for adm in adms]  # four processes race: one probe
     probes = [a for a in answers if isinstance(a, Permit)]

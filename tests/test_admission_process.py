@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -106,7 +107,11 @@ rpm = 10
 
 
 def test_rpm_shared_by_three_workers_pauses_until_the_window_frees(
-    db_url: str, live_queue: TaskQueue, spawn: Spawn, tmp_path: Path
+    db_url: str,
+    live_queue: TaskQueue,
+    spawn: Spawn,
+    tmp_path: Path,
+    run_busctl: Callable[..., subprocess.CompletedProcess[str]],
 ) -> None:
     queue = live_queue
     env, calls = setup(tmp_path, RPM)
@@ -127,6 +132,26 @@ def test_rpm_shared_by_three_workers_pauses_until_the_window_frees(
         assert len(in_window) == 10  # refused because the window was full…
         assert task.resume_after == pytest.approx(min(in_window) + 4)  # …until its oldest left
         assert "rate_limited" in (task.pause_reason or "")
+        # The refusal as users see it, on the route row and on the pause event: how long
+        # from the moment of the refusal (the row's ``at``) until the window frees.
+        (route,) = reads.routes(db, task_id=task.id)
+        assert route["decision"] == "refuse" and route["retry_after"] == task.resume_after
+        wait_ms = round((route["retry_after"] - route["at"]) * 1000)
+        assert (
+            route["refusal"]
+            == pause["detail"]["refusals"]["sim/a"]
+            == {
+                "code": -32000,
+                "name": "rate_limited",
+                "retry_after_ms": wait_ms,
+                "suggested_action": "DO_NOT_RETRY_IMMEDIATELY",
+                "gate": "rpm",
+                "detail": "rpm: 10 calls per 4s for sim/-",
+            }
+        )
+    shown = run_busctl("--db", db_url, "show", str(paused[0].id))
+    assert "refusals at the last pause" in shown.stdout and "-32000" in shown.stdout
+    assert "DO_NOT_RETRY_IMMEDIATELY" in run_busctl("--db", db_url, "routes").stdout
 
     # The sweeper resumes them as the window frees; the limit holds throughout.
     procs = [*workers(spawn, db_url, env, 3), spawn("sweeper", "--db", db_url, env=env)]

@@ -16,8 +16,11 @@ import httpx
 import pytest
 
 from agentbus.admission.cooldowns import CooldownStore
+from agentbus.admission.gates import Code, Refusal
+from agentbus.admission.routing import Route
 from agentbus.db import Database
 from agentbus.queue import TaskQueue
+from agentbus.queue.decisions import Pause, Settlement
 from agentbus.queue.tasks import TaskSpec
 from agentbus.queue.workers import WorkerRegistry
 from agentbus.schema import circuits
@@ -42,13 +45,14 @@ def seed(url: str) -> dict[str, Any]:
         queue.enqueue(TaskSpec(agent="codex", command=f"q{i}", models=("sim/opus",)))
     paused = queue.enqueue(TaskSpec(agent="ron", command="p", models=("sim/opus",))).id
     (task,) = queue.claim("ron", "w", 30)
-    queue.pause(
-        task.id,
-        task.claim_token,
-        now + 120,
-        "all candidate models are cooling down",
-        model="sim/opus",
+    # Paused as a worker pauses it: the refused candidate's route row and the event.
+    refusal = Refusal(Code.CIRCUIT_OPEN, now + 120, "the circuit is open", "circuit")
+    route = Route(
+        task.id, task.claim_token, "ron", "sim/opus", "refuse", now, refusal=refusal.as_dict(now)
     )
+    pause = Pause(now + 120, "sim/opus", "all candidate models are refused (circuit_open)")
+    detail = {"refusals": {"sim/opus": refusal.as_dict(now)}}
+    assert queue.settle(Settlement(task.id, task.claim_token, pause, [route], detail)) is None
     CooldownStore(db).set("sim/opus", now + 300, reason="RateLimited", source="w")
     db.write(
         lambda conn: conn.execute(
@@ -93,6 +97,19 @@ def test_status_and_metrics_over_http(
     assert doc["queue"] == {"codex": {"queued": 3}, "ron": {"paused": 1}}
     assert [p["id"] for p in doc["paused_due_soon"]] == [facts["paused"]]
     assert 100 < doc["paused_due_soon"][0]["seconds_left"] <= 120
+    circuit_open = {
+        "code": -32001,
+        "name": "circuit_open",
+        "retry_after_ms": 120_000,
+        "suggested_action": "WAIT_FOR_CIRCUIT_PROBE",
+        "gate": "circuit",
+        "detail": "the circuit is open",
+    }
+    assert doc["paused_due_soon"][0]["refusals"] == {"sim/opus": circuit_open}
+    (recent,) = doc["recent_refusals"]
+    assert recent == {"task_id": facts["paused"], "candidate": "sim/opus", **circuit_open} | {
+        "at": recent["at"]
+    }
     assert [c["model"] for c in doc["cooldowns"]] == ["sim/opus"]
     assert [(c["provider"], c["state"]) for c in doc["circuits"]] == [("flaky", "open")]
     assert [w["id"] for w in doc["workers"]] == ["codex@test:1"]
@@ -169,6 +186,8 @@ def test_the_dashboard_shows_live_numbers_in_a_browser(
     assert '<span class="bad">open</span>' in dom  # the open circuit
     assert "codex@test:1" in dom  # the worker
     assert "preservation" in dom  # the KPIs
+    assert "<b>-32001</b> circuit_open (circuit) · WAIT_FOR_CIRCUIT_PROBE" in dom  # why paused
+    assert "<td><b>-32001</b></td>" in dom  # the recent refusals
 
 
 def test_serve_answers_only_its_own_names_and_bounds_its_connections(

@@ -43,6 +43,8 @@ class Run:
     cooled: dict[str, float] = field(default_factory=dict)  # put in cooldown by this run
     calls: int = 0
     routes: list[Route] = field(default_factory=list)
+    # candidate -> why it could not be used now ({code, name, retry_after_ms, …})
+    refusals: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def settlement(self, task: Task) -> Settlement:
         """What the queue is handed to settle the task's claim."""
@@ -51,6 +53,8 @@ class Run:
             detail["skipped"] = self.skipped
         if self.cooled:
             detail["cooled"] = self.cooled
+        if self.refusals and isinstance(self.decision, policy.Pause):
+            detail["refusals"] = self.refusals
         return Settlement(task.id, task.claim_token, self.decision, self.routes, detail or None)
 
 
@@ -95,6 +99,7 @@ class Runner:
             if isinstance(answer, Refusal):
                 blocked[candidate.key] = answer.retry_after
                 codes[candidate.key] = answer.code.value
+                run.refusals[candidate.key] = answer.as_dict(started)
                 cooling = answer.code is Code.COOLDOWN
                 if cooling:
                     run.skipped[candidate.key] = answer.retry_after
@@ -139,6 +144,10 @@ class Runner:
                 case outcomes.RateLimited() | outcomes.TimedOut():
                     assert cooled is not None
                     blocked[candidate.key] = run.cooled[cooled.key] = cooled.until
+                    answered = outcomes.name_of(outcome).value
+                    why = f"{cooled.key} cools down: the call answered {answered}"
+                    cooldown = Refusal(Code.COOLDOWN, cooled.until, why, "cooldown")
+                    run.refusals[candidate.key] = cooldown.as_dict(self.clock())
                     log.info(
                         "model_cooldown_set",
                         task_id=task.id,
@@ -201,6 +210,7 @@ class Runner:
             code=refusal.code.value if refusal is not None else None,
             retry_after=refusal.retry_after if refusal is not None else None,
             gates=refusal.gates if refusal is not None else gates,
+            refusal=refusal.as_dict(at) if refusal is not None else None,
             prompt_tokens=usage.prompt_tokens if usage else None,
             completion_tokens=usage.completion_tokens if usage else None,
             cost=self.admission.cost(c, usage) if usage else None,

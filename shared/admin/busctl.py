@@ -256,8 +256,12 @@ def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
     db = c.database()
     task = reads.get_task(db, task_id)
     events = reads.task_events(db, task_id)
+    # Why it paused last: each candidate's refusal ({code, name, retry_after_ms, …}).
+    pauses = [e for e in events if e["to_status"] == TaskStatus.PAUSED]
+    refused = dict((pauses[-1]["detail"] or {}).get("refusals") or {}) if pauses else {}
     if as_json:
-        click.echo(json.dumps({"task": task.as_dict(), "events": events}, indent=2))
+        doc = {"task": task.as_dict(), "events": events, "refusals": refused}
+        click.echo(json.dumps(doc, indent=2))
         return
     times = {
         "run_after",
@@ -286,6 +290,9 @@ def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
         for e in events
     ]
     click.echo(cli.table(["at", "from", "to", "reason", "worker", "token", "detail"], rows))
+    if refused:
+        click.echo(f"\nrefusals at the last pause ({cli.fmt_time(pauses[-1]['at'])}):")
+        click.echo(render.refusals(refused))
 
 
 @busctl.command("tasks")

@@ -56,10 +56,30 @@ def status(doc: dict[str, Any], settings: Settings) -> str:
     return "\n".join(out)
 
 
+def refusals(by_candidate: dict[str, dict[str, Any]]) -> str:
+    """Refusals (``{code, name, retry_after_ms, suggested_action, gate, detail}``) by candidate."""
+    return cli.table(
+        ["candidate", "code", "name", "gate", "retry after", "suggested action", "detail"],
+        [
+            [
+                candidate,
+                r["code"],
+                r["name"],
+                r["gate"],
+                f"{r['retry_after_ms']} ms",
+                r["suggested_action"],
+                r["detail"],
+            ]
+            for candidate, r in by_candidate.items()
+        ],
+    )
+
+
 def routes(rows: list[dict[str, Any]]) -> str:
     """Routing decisions, newest first, as ``busctl routes`` prints them."""
     table = []
     for r in rows:
+        refusal = r.get("refusal") or {}
         why = r["outcome"] or r["code"] or ""
         if r["retry_after"]:
             why += f" until {cli.fmt_time(r['retry_after'])}"
@@ -74,10 +94,13 @@ def routes(rows: list[dict[str, Any]]) -> str:
                 r["account"] or "",
                 r["decision"],
                 why,
+                refusal.get("code", ""),
+                f"{refusal['retry_after_ms']} ms" if refusal else "",
+                refusal.get("suggested_action", ""),
                 r["prompt_tokens"] + r["completion_tokens"]
                 if r["prompt_tokens"] is not None
                 else "",
             ]
         )
     headers = ["at", "task", "role", "fallback", "provider", "model", "account", "decision"]
-    return cli.table([*headers, "outcome", "tokens"], table)
+    return cli.table([*headers, "outcome", "code", "retry after", "action", "tokens"], table)

@@ -21,6 +21,7 @@ from agentbus.schema import bus_commands as t
 from agentbus.schema import bus_events, route_log, task_events, workers
 
 DUE_SOON = 20  # paused tasks listed, soonest first
+RECENT_REFUSALS = 20  # refused or skipped candidates listed, newest first
 
 
 def snapshot(db: Database, settings: Settings, now: float | None = None) -> dict[str, Any]:
@@ -78,7 +79,20 @@ def _tables(conn: Connection, now: float) -> dict[str, Any]:
         .order_by(t.c.resume_after)
         .limit(DUE_SOON)
     ).all()
+    why = _pause_refusals(conn, [p.id for p in paused])
     beats = conn.execute(sa.select(workers).order_by(workers.c.agent, workers.c.id)).all()
+    recent = conn.execute(
+        sa.select(
+            route_log.c.at,
+            route_log.c.task_id,
+            route_log.c.model,
+            route_log.c.account,
+            route_log.c.refusal,
+        )
+        .where(route_log.c.refusal.is_not(None))
+        .order_by(route_log.c.id.desc())
+        .limit(RECENT_REFUSALS)
+    ).all()
     refusals = conn.execute(
         sa.select(route_log.c.code, sa.func.count())
         .where(route_log.c.code.is_not(None))
@@ -114,8 +128,18 @@ def _tables(conn: Connection, now: float) -> dict[str, Any]:
                 "seconds_left": max(0.0, (p.resume_after or now) - now),
                 "model": p.pause_model,
                 "reason": p.pause_reason,
+                "refusals": why.get(p.id, {}),
             }
             for p in paused
+        ],
+        "recent_refusals": [
+            {
+                "at": r.at,
+                "task_id": r.task_id,
+                "candidate": f"{r.model}@{r.account}" if r.account else r.model,
+                **r.refusal,
+            }
+            for r in recent
         ],
         "workers": [
             {
@@ -139,3 +163,19 @@ def _tables(conn: Connection, now: float) -> dict[str, Any]:
         },
         "refusals_by_code": {code: int(n) for code, n in refusals},
     }
+
+
+def _pause_refusals(conn: Connection, task_ids: list[int]) -> dict[int, dict[str, Any]]:
+    """Task id -> candidate -> refusal, from each task's latest pause event."""
+    if not task_ids:
+        return {}
+    rows = conn.execute(
+        sa.select(task_events.c.task_id, task_events.c.detail)
+        .where(task_events.c.task_id.in_(task_ids), task_events.c.to_status == TaskStatus.PAUSED)
+        .order_by(task_events.c.id.desc())
+    )
+    out: dict[int, dict[str, Any]] = {}
+    for task_id, detail in rows:
+        if task_id not in out:
+            out[task_id] = dict((detail or {}).get("refusals") or {})
+    return out

@@ -182,7 +182,7 @@ class Admission:
         ):
             recheck = self.clock() + self.settings.admission_recheck_sec
             detail = f"the client budget ({budget.budget}) is full"
-            return Refusal(Code.CLIENT_BUDGET, recheck, detail)
+            return Refusal(Code.CLIENT_BUDGET, recheck, detail, "client_budget")
         try:
             answer = self._admit_gates(candidate, agent, task_id, lease)
         except BaseException:
@@ -234,7 +234,7 @@ class Admission:
         cooling = self.cooldowns.cooling(dict.fromkeys((c.model, c.key)))
         if cooling:
             until = max(cooling.values())
-            refusals.append(Refusal(Code.COOLDOWN, until, f"{c.key} is cooling down"))
+            refusals.append(Refusal(Code.COOLDOWN, until, f"{c.key} is cooling down", "cooldown"))
         gates["cooldown"] = "ok" if not cooling else "refused"
         verdict: Refusal | str = "ok"
         cached = self.circuits.cached(self.catalog.provider(c.provider))
@@ -297,7 +297,8 @@ class Admission:
         if not take:
             return Admissible(min(rooms) if rooms else None)
         if probe and not self.circuits.take_probe(conn, provider, now, lease_sec):
-            return Refusal(Code.CIRCUIT_OPEN, recheck, "another process holds the probe", gates)
+            detail = "another process holds the probe"
+            return Refusal(Code.CIRCUIT_OPEN, recheck, detail, "circuit", gates)
         slot_id = None
         if limits.slot:
             slot_id = conn.execute(

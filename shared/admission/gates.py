@@ -14,8 +14,8 @@ from agentbus.providers.outcomes import Failed, Outcome, RateLimited, Succeeded,
 
 
 class Code(enum.StrEnum):
-    """Refusal codes. The first three keep the JSON-RPC numbers of the traffic-governance
-    contract (-32000, -32001, -32002)."""
+    """Refusal names. The first three keep the JSON-RPC numbers of the traffic-governance
+    contract (-32000, -32001, -32002); the others are their own code."""
 
     RATE_LIMITED = "rate_limited"
     CIRCUIT_OPEN = "circuit_open"
@@ -29,30 +29,67 @@ class Code(enum.StrEnum):
     def number(self) -> int | None:
         return _NUMBERS.get(self)
 
+    @property
+    def wire(self) -> int | str:
+        """The ``code`` clients see: the JSON-RPC number where there is one, else the name."""
+        number = self.number
+        return number if number is not None else self.value
+
+    @property
+    def suggested_action(self) -> str:
+        return _ACTIONS[self]
+
 
 _NUMBERS = {Code.RATE_LIMITED: -32000, Code.CIRCUIT_OPEN: -32001, Code.BULKHEAD_FULL: -32002}
+_SLOT = "RETRY_WHEN_A_SLOT_FREES"
+#: What a client should do about each refusal (agentbus itself pauses the task until
+#: ``retry_after``): never retry at once.
+_ACTIONS = {
+    Code.RATE_LIMITED: "DO_NOT_RETRY_IMMEDIATELY",
+    Code.CIRCUIT_OPEN: "WAIT_FOR_CIRCUIT_PROBE",
+    Code.BULKHEAD_FULL: _SLOT,
+    Code.COOLDOWN: "WAIT_FOR_COOLDOWN",
+    Code.BUDGET_EXHAUSTED: "WAIT_FOR_BUDGET_RESET",
+    Code.CONCURRENCY_FULL: _SLOT,
+    Code.CLIENT_BUDGET: _SLOT,
+}
 #: Refusals that a short wait may end (another call finishing frees a slot).
 SLOT_CODES = frozenset({Code.CONCURRENCY_FULL, Code.BULKHEAD_FULL})
 
 
 @dataclass(frozen=True)
 class Refusal:
-    """A candidate may not be called now; ``retry_after`` (epoch) is when it may."""
+    """A candidate may not be called now; ``retry_after`` (epoch) is when it may.
+
+    ``gate`` names the gate that refused (``cooldown``, ``circuit``, ``rpm``,
+    ``agent_rate``, ``concurrency``, ``provider_concurrency``, ``bulkhead``,
+    ``budget``, ``client_budget``); ``gates`` is every gate's answer.
+    """
 
     code: Code
     retry_after: float
     detail: str
+    gate: str
     gates: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def retry_after_ms(self, now: float) -> int:
         return max(0, round((self.retry_after - now) * 1000))
 
     def as_dict(self, now: float) -> dict[str, Any]:
-        out: dict[str, Any] = {"code": self.code.value, "retry_after_ms": self.retry_after_ms(now)}
-        if self.code.number is not None:
-            out["number"] = self.code.number
-        out["detail"] = self.detail
-        return out
+        """The refusal as every user sees it (route rows, pause events, busctl, status)."""
+        return contract(self.code, self.retry_after_ms(now), self.gate, self.detail)
+
+
+def contract(code: Code, retry_after_ms: int, gate: str, detail: str) -> dict[str, Any]:
+    """``{code, name, retry_after_ms, suggested_action, gate, detail}``."""
+    return {
+        "code": code.wire,
+        "name": code.value,
+        "retry_after_ms": retry_after_ms,
+        "suggested_action": code.suggested_action,
+        "gate": gate,
+        "detail": detail,
+    }
 
 
 def refuse(refusals: list[Refusal], gates: dict[str, Any]) -> Refusal | None:
@@ -60,7 +97,7 @@ def refuse(refusals: list[Refusal], gates: dict[str, Any]) -> Refusal | None:
     if not refusals:
         return None
     last = max(refusals, key=lambda r: r.retry_after)
-    return Refusal(last.code, last.retry_after, last.detail, gates)
+    return Refusal(last.code, last.retry_after, last.detail, last.gate, gates)
 
 
 def window_free_at(nth_newest: float | None, window: float, now: float) -> float | None:
@@ -152,12 +189,13 @@ def circuit_admits(c: Circuit, now: float, recheck_sec: float) -> Refusal | str:
     if c.state == "closed":
         return "ok"
     if c.state == "open" and c.open_until is not None and now < c.open_until:
-        return Refusal(Code.CIRCUIT_OPEN, c.open_until, "the circuit is open")
+        return Refusal(Code.CIRCUIT_OPEN, c.open_until, "the circuit is open", "circuit")
     if c.state == "half_open" and c.probe_until is not None and now < c.probe_until:
         return Refusal(
             Code.CIRCUIT_OPEN,
             min(c.probe_until, now + recheck_sec),
             "the circuit is half-open and its probe is in flight",
+            "circuit",
         )
     return "probe"
 

@@ -143,7 +143,8 @@ class Limits:
             gates[gate] = f"{used}/{limit}"
             rooms.append(limit - used)
             if used >= limit:
-                refusals.append(Refusal(code, recheck, f"{gate}: {used}/{limit} calls in flight"))
+                detail = f"{gate}: {used}/{limit} calls in flight"
+                refusals.append(Refusal(code, recheck, detail, gate))
         for gate, limit, window, _ in windows:
             free_at = window_free_at(next(answers), window, now)
             gates[gate] = "ok" if free_at is None else "refused"
@@ -158,6 +159,7 @@ class Limits:
                         Code.RATE_LIMITED,
                         free_at,
                         f"{gate}: {limit} calls per {window:g}s for {what}",
+                        gate,
                     )
                 )
         if self.tokens or self.cost:
@@ -170,6 +172,7 @@ class Limits:
                         Code.BUDGET_EXHAUSTED,
                         next_day(now),
                         f"daily budget used: {tokens} tokens, cost {cost:g}",
+                        "budget",
                     )
                 )
         return refusals, rooms

@@ -58,6 +58,7 @@ class Route:
     code: str | None = None  # a refusal's code
     retry_after: float | None = None  # when the refusing gate admits again
     gates: Mapping[str, Any] | None = None
+    refusal: Mapping[str, Any] | None = None  # the refusal as clients see it (gates.contract)
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cost: float | None = None
@@ -65,6 +66,7 @@ class Route:
     def row(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["gates"] = dict(self.gates) if self.gates is not None else None
+        out["refusal"] = dict(self.refusal) if self.refusal is not None else None
         return out
 
 
