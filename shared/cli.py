@@ -87,14 +87,16 @@ def budget_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         "--budget-mode",
         "budget_mode",
         type=click.Choice(["off", "warn", "enforce"]),
-        help="Client budget mode [env AGENTBUS_BUDGET_MODE; default off].",
+        help="This process's client budget mode, with AGENTBUS_NO_WORKSPACE_BUDGET=1 "
+        "(otherwise the workspace's applies: busctl budget set) [env AGENTBUS_BUDGET_MODE].",
     )(fn)
     return click.option(
         "--client-budget",
         "client_budget",
         type=click.IntRange(min=0),
         metavar="N",
-        help="Client slots the workspace may hold [env AGENTBUS_CLIENT_BUDGET].",
+        help="This process's client slots, with AGENTBUS_NO_WORKSPACE_BUDGET=1 "
+        "[env AGENTBUS_CLIENT_BUDGET].",
     )(fn)
 
 

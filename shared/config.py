@@ -152,17 +152,21 @@ class Settings:
         "Routing history rows are deleted after this long (0 keeps them).", 604800.0
     )
     client_budget: int = _doc(
-        "Named client slots (one per provider in use) the workspace may hold at once "
-        "(0: no budget; enforce needs one).",
+        "With no_workspace_budget: this process's named client slots (one per provider in "
+        "use) at once (0: no budget; enforce needs one). Otherwise the workspace's size "
+        "applies (busctl budget set).",
         0,
     )
     budget_mode: str = _doc(
-        "The client budget: off (nothing tracked), warn (tracked, warns at 75 %, never "
-        "refuses) or enforce (refuses above client_budget).",
+        "With no_workspace_budget: this process's client budget, off (nothing tracked), warn "
+        "(tracked, warns at 75 %, never refuses) or enforce (refuses above client_budget). "
+        "Otherwise the workspace's mode applies (busctl budget set).",
         "off",
     )
     no_workspace_budget: bool = _doc(
-        "Kill switch: each process keeps its own client budget (events say scope session).", False
+        "Kill switch: each process keeps its own client budget from budget_mode and "
+        "client_budget (events say scope session).",
+        False,
     )
     key_retention_sec: float = _doc(
         "Idempotency keys are remembered this long after their enqueue, even when their task "

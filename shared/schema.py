@@ -222,7 +222,7 @@ route_log = sa.Table(
     sa.Column("retry_after", Epoch),  # when the refusing gate admits again
     sa.Column("gates", sa.JSON),  # gate -> "ok" or its refusal
     # Migration 0009: the refusal as clients see it (agentbus.admission.gates.Refusal.as_dict).
-    sa.Column("refusal", sa.JSON),
+    sa.Column("refusal", sa.JSON(none_as_null=True)),
     sa.Column("prompt_tokens", sa.Integer),
     sa.Column("completion_tokens", sa.Integer),
     sa.Column("cost", sa.Float),

@@ -46,8 +46,8 @@ def reserve_one(url: str, holder: str, name: str, start: Event) -> str:
     """Reserve ``name`` in an enforce-mode workspace budget of 1 once ``start`` is set."""
     from agentbus.admission.budget import WorkspaceBudget
 
-    db = Database(url)
-    budget = WorkspaceBudget(db, mode="enforce", budget=1, holder=holder)
+    db = Database(url)  # the test set the workspace's budget: enforce, size 1
+    budget = WorkspaceBudget(db, holder=holder)
     start.wait()
     answer = budget.try_reserve(name).value
     db.dispose()
@@ -58,8 +58,8 @@ def reserve_many(url: str, holder: str, names: list[str], start: Event) -> list[
     """Reserve ``names`` one after another in a warn-mode budget of 8 (hysteresis races)."""
     from agentbus.admission.budget import WorkspaceBudget
 
-    db = Database(url)
-    budget = WorkspaceBudget(db, mode="warn", budget=8, holder=holder)
+    db = Database(url)  # the test set the workspace's budget: warn, size 8
+    budget = WorkspaceBudget(db, holder=holder)
     start.wait()
     answers = [budget.try_reserve(name).value for name in names]
     db.dispose()

@@ -29,6 +29,15 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server the test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def wait_until(predicate: Callable[[], T], *, timeout: float = 30.0, every: float = 0.05) -> T:
     """Poll ``predicate`` until it returns something truthy (for process tests)."""
     deadline = time.monotonic() + timeout

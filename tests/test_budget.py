@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -10,17 +12,28 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import sqlalchemy as sa
 
-from agentbus.admission.budget import Reserve, SessionBudget, WorkspaceBudget, client_budget
+from agentbus.admission.budget import (
+    BudgetSetting,
+    Reserve,
+    SessionBudget,
+    WorkspaceBudget,
+    client_budget,
+    disagreement,
+    read_setting,
+    write_setting,
+)
+from agentbus.config import Settings
 from agentbus.db import Database
 from agentbus.errors import ConfigError
 from agentbus.queue import TaskQueue
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import bus_events
 from tests import procs
-from tests.support import FakeClock, Proc, clean_env, wait_until
+from tests.support import FakeClock, Proc, clean_env, free_port, wait_until
 
 
 def events(db: Database, kind: str) -> list[dict[str, Any]]:
@@ -32,9 +45,16 @@ def events(db: Database, kind: str) -> list[dict[str, Any]]:
     return [dict(r._mapping) for r in rows]
 
 
+def workspace_budget(
+    db: Database, mode: str, size: int, *holders: str, clock: FakeClock | None = None
+) -> list[WorkspaceBudget]:
+    """Set the workspace's budget as ``busctl budget set`` does, and open it as ``holders``."""
+    write_setting(db, mode=mode, size=size, by="test")
+    return [WorkspaceBudget(db, holder=h, clock=clock or FakeClock()) for h in holders]
+
+
 def test_hysteresis_warns_once_per_rise_across_processes(db: Database, clock: FakeClock) -> None:
-    one = WorkspaceBudget(db, mode="warn", budget=8, holder="p1", clock=clock)
-    two = WorkspaceBudget(db, mode="warn", budget=8, holder="p2", clock=clock)
+    one, two = workspace_budget(db, "warn", 8, "p1", "p2", clock=clock)
     for name in "abc":
         assert one.try_reserve(name) is Reserve.RESERVED
     two.try_reserve("d"), two.try_reserve("e")
@@ -63,22 +83,26 @@ def test_hysteresis_warns_once_per_rise_across_processes(db: Database, clock: Fa
 def test_enforce_refuses_above_the_budget_and_a_dead_holders_slot_expires(
     db: Database, clock: FakeClock
 ) -> None:
-    budget = WorkspaceBudget(db, mode="enforce", budget=2, holder="p1", clock=clock)
-    other = WorkspaceBudget(db, mode="enforce", budget=2, holder="p2", clock=clock)
+    budget, other = workspace_budget(db, "enforce", 2, "p1", "p2", clock=clock)
     assert budget.try_reserve("a", lease_sec=600) is Reserve.RESERVED
     assert other.try_reserve("b", lease_sec=60) is Reserve.RESERVED
     assert budget.try_reserve("c") is Reserve.REFUSED
     clock.advance(61)  # p2 died holding b: its lease ran out, the slot is free again
     assert budget.try_reserve("c") is Reserve.RESERVED
     assert other.try_reserve("d") is Reserve.REFUSED
-    warn = WorkspaceBudget(db, mode="warn", budget=1, holder="p3", clock=clock)
-    assert warn.try_reserve("e") is Reserve.RESERVED  # warn never refuses
+    write_setting(db, mode="warn", size=None, by="operator")  # busctl budget set --mode warn
+    assert other.try_reserve("d") is Reserve.REFUSED  # read again only after a second…
+    clock.advance(1)
+    assert other.try_reserve("d") is Reserve.RESERVED  # …then warn never refuses
+    assert (budget.mode, budget.budget) == ("enforce", 2)  # not asked since the change
+    clock.advance(1)
+    assert budget.snapshot()["mode"] == "warn" and budget.snapshot()["set_by"] == "operator"
 
 
 def test_refusals_in_nested_passes_are_one_batch_and_stay_visible(
     db: Database, clock: FakeClock
 ) -> None:
-    budget = WorkspaceBudget(db, mode="enforce", budget=1, holder="p1", clock=clock)
+    budget, other = workspace_budget(db, "enforce", 1, "p1", "p2", clock=clock)
     budget.try_reserve("held")
     with budget.bulk_pass():
         with budget.bulk_pass():
@@ -90,7 +114,6 @@ def test_refusals_in_nested_passes_are_one_batch_and_stay_visible(
     assert budget.last_refused() == ["c", "d"]  # visible after the emit
     assert budget.try_reserve("e") is Reserve.REFUSED  # outside any pass: a batch of one
     assert events(db, "refused_batch")[-1]["detail"]["names"] == ["e"]
-    other = WorkspaceBudget(db, mode="enforce", budget=1, holder="p2", clock=clock)
     assert other.snapshot()["last_refused"] == ["e"]  # the whole workspace sees it
     budget.begin_pass()
     assert budget.last_refused() == []  # cleared when the next pass begins
@@ -98,11 +121,14 @@ def test_refusals_in_nested_passes_are_one_batch_and_stay_visible(
 
 
 def test_off_mode_does_nothing_and_session_scope_stays_in_the_process(db: Database) -> None:
-    off = WorkspaceBudget(db, mode="off", budget=0, holder="p1")
+    off = client_budget(db, Settings(budget_mode="warn", client_budget=1), holder="p1")
+    assert isinstance(off, WorkspaceBudget) and off.mode == "off"  # never set: off, flags or not
     with off.bulk_pass():
         assert all(off.try_reserve(str(i)) is Reserve.RESERVED for i in range(50))
     assert off.reserved() == [] and events(db, "budget_warning") == []
-    session = client_budget(db, mode="enforce", budget=1, holder="p1", per_process=True)
+    assert not off.release("1")  # nothing was held: no write
+    own = Settings(budget_mode="enforce", client_budget=1, no_workspace_budget=True)
+    session = client_budget(db, own, holder="p1")
     assert isinstance(session, SessionBudget)
     assert session.try_reserve("a") is Reserve.RESERVED
     assert session.try_reserve("b") is Reserve.REFUSED
@@ -112,15 +138,38 @@ def test_off_mode_does_nothing_and_session_scope_stays_in_the_process(db: Databa
     assert session.snapshot()["last_refused"] == ["b"]
 
 
-def test_enforce_without_a_budget_is_a_config_error(db: Database) -> None:
-    with pytest.raises(ConfigError, match="enforce needs a positive client budget"):
-        WorkspaceBudget(db, mode="enforce", budget=0, holder="p1")
+def test_an_invalid_workspace_budget_is_refused_and_changes_nothing(db: Database) -> None:
+    with pytest.raises(ConfigError, match="enforce needs a positive size"):
+        write_setting(db, mode="enforce", size=None, by="t")
     with pytest.raises(ConfigError, match="budget mode must be one of"):
-        WorkspaceBudget(db, mode="strict", budget=3, holder="p1")
+        write_setting(db, mode="strict", size=3, by="t")
+    assert read_setting(db) == BudgetSetting() and events(db, "budget_set") == []
+    with pytest.raises(ConfigError, match="enforce needs a positive client budget"):
+        SessionBudget(db, mode="enforce", budget=0, holder="p1")
+    before, after = write_setting(db, mode="enforce", size=6, by="t")
+    assert (before.mode, after.mode, after.size) == ("off", "enforce", 6)
+    with pytest.raises(ConfigError, match="enforce needs a positive size"):
+        write_setting(db, mode=None, size=0, by="t")
+    assert read_setting(db).size == 6
+    (event,) = events(db, "budget_set")
+    assert event["detail"] == {"mode": "enforce", "size": 6, "was": ["off", 0]}
+
+
+def test_flags_that_disagree_with_the_workspace_are_named() -> None:
+    shared = BudgetSetting("warn", 6)
+    assert disagreement(Settings(), shared) is None  # no flag given
+    assert disagreement(Settings(budget_mode="warn", client_budget=6), shared) is None
+    line = disagreement(Settings(budget_mode="enforce", client_budget=2), shared)
+    assert line is not None and "\n" not in line
+    assert line.startswith("--budget-mode enforce --client-budget 2 ignored: ")
+    assert "the workspace's (warn, size 6)" in line
+    own = Settings(budget_mode="enforce", client_budget=2, no_workspace_budget=True)
+    assert disagreement(own, shared) is None  # the kill switch: the flags are the budget
 
 
 @pytest.mark.process
 def test_two_processes_racing_for_the_last_slot_one_wins(db: Database, db_url: str) -> None:
+    write_setting(db, mode="enforce", size=1, by="test")
     ctx = mp.get_context("spawn")
     with ProcessPoolExecutor(2, mp_context=ctx) as pool:
         for round_ in range(4):
@@ -137,6 +186,7 @@ def test_two_processes_racing_for_the_last_slot_one_wins(db: Database, db_url: s
 
 @pytest.mark.process
 def test_two_processes_rising_together_warn_once(db: Database, db_url: str) -> None:
+    write_setting(db, mode="warn", size=8, by="test")
     ctx = mp.get_context("spawn")
     start = ctx.Manager().Event()
     with ProcessPoolExecutor(2, mp_context=ctx) as pool:
@@ -167,9 +217,10 @@ def test_a_worker_refused_by_the_client_budget_pauses_its_task(
     slow = {"simulate": {"sim/a": {"behaviour": "ok", "wait_for": str(gate)}}}
     holder = queue.enqueue(TaskSpec(agent="a", command="x", models=("sim/a",), payload=slow)).id
     refused = queue.enqueue(TaskSpec(agent="b", command="y", models=("sim/o",))).id
-    flags = ("--budget-mode", "enforce", "--client-budget", "1", "--drain", "--log-json")
+    write_setting(db, mode="enforce", size=1, by="test")  # busctl budget set: no flags needed
+    flags = ("--drain", "--log-json")
     first = spawn("worker", "--agent", "a", "--db", db_url, *flags, env=env)
-    wait_until(lambda: WorkspaceBudget(db, mode="warn", budget=1, holder="t").reserved() == ["sim"])
+    wait_until(lambda: WorkspaceBudget(db, holder="t").reserved() == ["sim"])
     second = spawn("worker", "--agent", "b", "--db", db_url, *flags, env=env)
     assert second.wait() == 0, second.text()
     task = queue.get(refused)
@@ -180,7 +231,7 @@ def test_a_worker_refused_by_the_client_budget_pauses_its_task(
     gate.touch()
     assert first.wait() == 0, first.text()
     assert queue.get(holder).status == "done"
-    assert WorkspaceBudget(db, mode="warn", budget=1, holder="t").reserved() == []  # released
+    assert WorkspaceBudget(db, holder="t").reserved() == []  # released
 
 
 @pytest.mark.parametrize(
@@ -202,3 +253,83 @@ def test_enforce_without_a_budget_stops_start_up(db_url: str, argv: list[str]) -
         f"{argv[0]}: error: budget mode enforce needs a positive client budget "
         "(--client-budget N or AGENTBUS_CLIENT_BUDGET)"
     )
+
+
+@pytest.mark.process
+def test_running_workers_and_serve_follow_busctl_budget_set(
+    db_url: str,
+    db: Database,
+    spawn: Callable[..., Proc],
+    tmp_path: Path,
+    run_busctl: Callable[..., subprocess.CompletedProcess[str]],
+) -> None:
+    env = {"AGENTBUS_POLL_SEC": "0.05", "AGENTBUS_CONFIG_CHECK_SEC": "0.01"}
+    port = free_port()
+    serve = spawn("busctl", "--db", db_url, "serve", "--port", str(port), env=env)
+    workers = [
+        spawn("worker", "--agent", "codex", "--db", db_url, "--log-json", env=env) for _ in range(2)
+    ]
+    for proc in workers:
+        wait_until(lambda proc=proc: "worker_started" in proc.text())
+    status_url = f"http://127.0.0.1:{port}/workspace/status"
+
+    def served_budget() -> dict[str, Any] | None:
+        try:
+            return dict(httpx.get(status_url, timeout=2).json()["budget"])
+        except httpx.TransportError:
+            return None
+
+    assert wait_until(served_budget)["mode"] == "off"  # never set
+    done = run_busctl("--db", db_url, "budget", "set", "--mode", "warn", "--size", "6")
+    assert (done.returncode, done.stdout.strip()) == (0, "client budget: warn, size 6 (was off)")
+
+    # Each worker holds one call (a gate file per task), so each admits once after the set.
+    gates = [tmp_path / f"gate-{i}" for i in range(2)]
+    queue = TaskQueue(db)
+    ids = [
+        queue.enqueue(
+            TaskSpec(
+                agent="codex",
+                command=f"held {i}",
+                models=("sim/a",),
+                payload={"simulate": {"sim/a": {"wait_for": str(gate)}}},
+            )
+        ).id
+        for i, gate in enumerate(gates)
+    ]
+    for gate in gates:
+        wait_until(lambda gate=gate: Path(f"{gate}.waiting").exists())
+    for proc in workers:
+        changed = [
+            json.loads(line) for line in proc.text().splitlines() if "client_budget_changed" in line
+        ]
+        assert [(c["mode"], c["size"], c["was"]) for c in changed] == [("warn", 6, "off/0")]
+    budget = served_budget()
+    assert budget is not None
+    assert {k: budget[k] for k in ("mode", "budget", "scope", "reserved", "count")} == {
+        "mode": "warn",
+        "budget": 6,
+        "scope": "workspace",
+        "reserved": ["sim"],  # both workers call provider sim: one name
+        "count": 1,
+    }
+    shown = json.loads(run_busctl("--db", db_url, "budget", "show", "--json").stdout)
+    assert (shown["mode"], shown["budget"], shown["reserved"]) == ("warn", 6, ["sim"])
+
+    # A worker given flags that disagree says so in one line, and applies the workspace's.
+    odd = spawn(
+        "worker", "--agent", "other", "--db", db_url, "--log-json",
+        "--budget-mode", "enforce", "--client-budget", "2", "--drain", env=env,
+    )  # fmt: skip
+    assert odd.wait() == 0, odd.text()
+    (ignored,) = [json.loads(x) for x in odd.text().splitlines() if "flags_ignored" in x]
+    assert ignored["detail"].startswith("--budget-mode enforce --client-budget 2 ignored: ")
+    (started,) = [json.loads(x) for x in odd.text().splitlines() if "worker_started" in x]
+    assert (started["client_budget"], started["client_budget_size"]) == ("warn", 6)
+
+    for gate in gates:
+        gate.touch()
+    wait_until(lambda: {queue.get(i).status for i in ids} == {"done"})
+    for proc in [*workers, serve]:
+        proc.signal(signal.SIGTERM)
+        assert proc.wait() == 0, proc.text()[-2000:]

@@ -7,7 +7,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
@@ -22,7 +21,7 @@ from agentbus.queue import TaskQueue, reads
 from agentbus.queue.tasks import TaskSpec
 from tests.conftest import IN_CI, Backends
 from tests.procs import hammer
-from tests.support import Proc, wait_until
+from tests.support import Proc, free_port, wait_until
 
 pytestmark = pytest.mark.process
 Spawn = Callable[..., Proc]
@@ -98,12 +97,6 @@ def test_postgres_connections_terminated_mid_run(backends: Backends, spawn: Spaw
     backends.drop(name)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def throwaway_postgres() -> Iterator[tuple[str, Callable[[], None]]]:
     """A PostgreSQL cluster of the test's own (initdb + pg_ctl), and a way to restart it."""
@@ -118,7 +111,7 @@ def throwaway_postgres() -> Iterator[tuple[str, Callable[[], None]]]:
     if os.geteuid() == 0:  # PostgreSQL refuses to run as root
         run_as = ["runuser", "-u", "postgres", "--"]
         shutil.chown(root, "postgres")
-    port = _free_port()
+    port = free_port()
     data = root / "data"
     pg_ctl = [
         *run_as,

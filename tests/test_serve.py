@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from agentbus.admission.budget import write_setting
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import Code, Refusal
 from agentbus.admission.routing import Route
@@ -25,15 +26,9 @@ from agentbus.queue.tasks import TaskSpec
 from agentbus.queue.workers import WorkerRegistry
 from agentbus.schema import circuits
 from tests.conftest import IN_CI
-from tests.support import Proc, wait_until
+from tests.support import Proc, free_port, wait_until
 
 pytestmark = pytest.mark.process
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def seed(url: str) -> dict[str, Any]:
@@ -68,6 +63,7 @@ def seed(url: str) -> dict[str, Any]:
         )
     )
     WorkerRegistry(db, "codex@test:1", "codex").register()
+    write_setting(db, mode="warn", size=None, by="ops")  # the workspace's budget, not a flag's
     db.dispose()
     return {"paused": paused}
 
@@ -76,7 +72,7 @@ def seed(url: str) -> dict[str, Any]:
 def served(db_url: str, spawn: Callable[..., Proc]) -> tuple[str, dict[str, Any]]:
     facts = seed(db_url)
     port = free_port()
-    spawn("busctl", "--db", db_url, "serve", "--port", str(port), "--budget-mode", "warn")
+    spawn("busctl", "--db", db_url, "serve", "--port", str(port))
     base = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
@@ -120,6 +116,8 @@ def test_status_and_metrics_over_http(
         "reserved": [],
         "count": 0,
         "last_refused": [],
+        "set_at": doc["budget"]["set_at"],
+        "set_by": "ops",
     }
     assert [k["name"] for k in doc["kpis"]][:2] == ["preservation", "resume success"]
     cli_doc = json.loads(run_busctl("--db", db_url, "status", "--json").stdout)

@@ -17,7 +17,7 @@ import traceback
 from dataclasses import dataclass
 
 from agentbus.admission.admission import Admission
-from agentbus.admission.budget import client_budget
+from agentbus.admission.budget import WorkspaceBudget, client_budget, disagreement
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.config import LiveConfig
 from agentbus.db import Database
@@ -62,13 +62,7 @@ class Worker:
             slow_read_ms=settings.cooldown_slow_read_ms,
             slow_cache_sec=settings.cooldown_slow_cache_sec,
         )
-        budget = client_budget(
-            db,
-            mode=settings.budget_mode,
-            budget=settings.client_budget,
-            holder=self.id,
-            per_process=settings.no_workspace_budget,
-        )
+        self.budget = budget = client_budget(db, settings, holder=self.id)
         self.admission = Admission(
             db,
             config,
@@ -110,7 +104,19 @@ class Worker:
     def run(self) -> int:
         self.registry.register()
         threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
-        self.log.info("worker_started", agent=self.options.agent, pid=os.getpid())
+        budget = self.budget
+        self.log.info(
+            "worker_started",
+            agent=self.options.agent,
+            pid=os.getpid(),
+            client_budget=budget.mode,
+            client_budget_size=budget.budget,
+            client_budget_scope=budget.scope,
+        )
+        if isinstance(budget, WorkspaceBudget):
+            ignored = disagreement(self.config.settings, budget.setting)
+            if ignored is not None:
+                self.log.warning("client_budget_flags_ignored", detail=ignored)
         processed = 0
         try:
             while not self.stopping.is_set():

@@ -26,13 +26,7 @@ RECENT_REFUSALS = 20  # refused or skipped candidates listed, newest first
 
 def snapshot(db: Database, settings: Settings, now: float | None = None) -> dict[str, Any]:
     now = time.time() if now is None else now
-    budget = client_budget(
-        db,
-        mode=settings.budget_mode,
-        budget=settings.client_budget,
-        holder="status",
-        per_process=settings.no_workspace_budget,
-    )
+    budget = client_budget(db, settings, holder="status")
     counts = reads.counts(db)
     queue: dict[str, dict[str, int]] = {}
     for (status, agent), n in sorted(counts.items()):

@@ -30,7 +30,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from agentbus import masking
-from agentbus.admission.budget import ClientBudget, Reserve
+from agentbus.admission.budget import ClientBudget, Reserve, WorkspaceBudget
 from agentbus.admission.circuit import CircuitStore
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import (
@@ -111,7 +111,12 @@ class Admission:
         self.db = db
         self.worker = worker
         self.cooldowns = cooldowns
-        self.budget = budget if budget is not None and budget.mode != "off" else None
+        # A workspace budget may be switched on at any time (busctl budget set); a
+        # process's own budget that is off stays off.
+        changeable = isinstance(budget, WorkspaceBudget)
+        self.budget = (
+            budget if budget is not None and (changeable or budget.mode != "off") else None
+        )
         self.environ = environ
         self.clock = clock
         self.sleep = sleep

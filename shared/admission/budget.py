@@ -8,39 +8,138 @@ of the budget in use rises across 75 %, and re-arms only after it falls below
 37.5 %: the armed flag is one database row flipped by a guarded UPDATE, so two
 processes never both warn. Refusals inside a bulk pass (nestable) become one
 ``refused_batch`` event from the outermost pass; the last refused names stay
-visible until the next pass begins. ``SessionBudget`` is the per-process
-fallback (``no_workspace_budget``): the same rules in memory, events with
-scope ``session``.
+visible until the next pass begins.
+
+The mode and size are the workspace's too: workspace settings that ``busctl
+budget set`` writes and every process reads (again every ``refresh_sec``, so
+a change applies without a restart). Until set, the budget is ``off``. A
+process's own flags or environment (``budget_mode``, ``client_budget``) do
+not override them; a process given values that disagree says so once at
+start. ``SessionBudget`` is the per-process fallback (``no_workspace_budget``):
+the flags' mode and size, the same rules in memory, events with scope
+``session``.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
+from agentbus import workspace
 from agentbus.admission import journal
-from agentbus.config import check_budget_mode
+from agentbus.config import Settings, check_budget_mode
 from agentbus.db import Database
+from agentbus.errors import ConfigError
+from agentbus.logging import get_logger
 from agentbus.schema import budget_slots as slots
 from agentbus.schema import budget_state as state
+
+log = get_logger("agentbus.budget")
 
 WARN_FRACTION = 0.75
 REARM_FRACTION = 0.375
 ADVISORY_KEY = 0x627564676574  # "budget"
 
 
+MODE, SIZE = "budget_mode", "client_budget"  # the names of the workspace settings
+
+
 class Reserve(enum.StrEnum):
     RESERVED = "reserved"
     ALREADY_HELD = "already_held"
     REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class BudgetSetting:
+    """The workspace's client budget as ``busctl budget set`` left it."""
+
+    mode: str = "off"
+    size: int = 0
+    updated_at: float | None = None
+    updated_by: str | None = None
+
+    @classmethod
+    def of(cls, found: dict[str, workspace.Setting]) -> BudgetSetting:
+        mode, size = found.get(MODE), found.get(SIZE)
+        stamps = [s for s in (mode, size) if s is not None]
+        last = max(stamps, key=lambda s: s.updated_at) if stamps else None
+        return cls(
+            str(mode.value) if mode else "off",
+            int(size.value) if size else 0,
+            last.updated_at if last else None,
+            last.updated_by if last else None,
+        )
+
+    def describe(self) -> str:
+        return f"{self.mode}, size {self.size}" if self.size else self.mode
+
+
+def read_setting(db: Database) -> BudgetSetting:
+    """The workspace's client budget (off until set)."""
+    return db.read(lambda conn: BudgetSetting.of(workspace.read(conn, (MODE, SIZE))))
+
+
+def write_setting(
+    db: Database,
+    *,
+    mode: str | None,
+    size: int | None,
+    by: str,
+    clock: Callable[[], float] = time.time,
+) -> tuple[BudgetSetting, BudgetSetting]:
+    """Change the workspace's mode and/or size; returns (before, after). Raises
+    ConfigError (and changes nothing) when the result would be invalid."""
+
+    def work(conn: Connection) -> tuple[BudgetSetting, BudgetSetting]:
+        now = clock()
+        before = BudgetSetting.of(workspace.read(conn, (MODE, SIZE)))
+        after = BudgetSetting(
+            before.mode if mode is None else mode, before.size if size is None else size, now, by
+        )
+        if size is not None and size < 0:
+            raise ConfigError(f"the client budget size must not be negative, got {size}")
+        if after.mode == "enforce" and after.size <= 0:
+            raise ConfigError(
+                "budget mode enforce needs a positive size: busctl budget set --mode enforce "
+                "--size N"
+            )
+        check_budget_mode(after.mode, after.size)
+        workspace.write(conn, {MODE: after.mode, SIZE: after.size}, now, by)
+        detail = {"mode": after.mode, "size": after.size, "was": [before.mode, before.size]}
+        journal.emit(conn, "budget_set", now, scope=journal.WORKSPACE, source=by, detail=detail)
+        return before, after
+
+    return db.write(work)
+
+
+def disagreement(settings: Settings, setting: BudgetSetting) -> str | None:
+    """One line when this process was given a mode or size (flag, environment or
+    config file) other than the workspace's, which applies; None when they agree."""
+    if settings.no_workspace_budget:
+        return None
+    given = []
+    if settings.budget_mode != "off" and settings.budget_mode != setting.mode:
+        given.append(f"--budget-mode {settings.budget_mode}")
+    if settings.client_budget and settings.client_budget != setting.size:
+        given.append(f"--client-budget {settings.client_budget}")
+    if not given:
+        return None
+    return (
+        f"{' '.join(given)} ignored: the client budget is the workspace's ({setting.describe()}); "
+        "change it with busctl budget set, or set AGENTBUS_NO_WORKSPACE_BUDGET=1 for a "
+        "per-process budget"
+    )
 
 
 class _Budget:
@@ -114,11 +213,58 @@ class _Budget:
 
 
 class WorkspaceBudget(_Budget):
+    """The workspace's budget: its mode and size are workspace settings, read again
+    every ``refresh_sec`` (a change is logged as ``client_budget_changed``)."""
+
     scope = journal.WORKSPACE
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        holder: str,
+        clock: Callable[[], float] = time.time,
+        refresh_sec: float = 1.0,
+    ) -> None:
+        super().__init__(db, mode="off", budget=0, holder=holder, clock=clock)
+        self.refresh_sec = refresh_sec
+        self._mine: set[str] = set()  # names this process holds a row for
+        self.setting = BudgetSetting()
+        self._read_at = -math.inf
+        self.refresh(force=True)
+
+    def refresh(self, *, force: bool = False) -> BudgetSetting:
+        """The workspace's setting, read again when ``refresh_sec`` has passed."""
+        now = self.clock()
+        if not force and now - self._read_at < self.refresh_sec:
+            return self.setting
+        self._read_at = now
+        new = read_setting(self.db)
+        if new.mode == "enforce" and new.size <= 0:  # written by hand: refuse nothing
+            log.error("client_budget_invalid", mode=new.mode, size=new.size, applied="off")
+            new = BudgetSetting("off", 0, new.updated_at, new.updated_by)
+        old, self.setting = self.setting, new
+        self.mode, self.budget = new.mode, new.size
+        if not force and (old.mode, old.size) != (new.mode, new.size):
+            log.info(
+                "client_budget_changed",
+                mode=new.mode,
+                size=new.size,
+                was=f"{old.mode}/{old.size}",
+                by=new.updated_by,
+            )
+        return new
+
+    def snapshot(self) -> dict[str, Any]:
+        self.refresh()
+        doc = super().snapshot()
+        doc["set_at"], doc["set_by"] = self.setting.updated_at, self.setting.updated_by
+        return doc
 
     # -- slots ---------------------------------------------------------------
 
     def try_reserve(self, name: str, *, lease_sec: float = 3600.0) -> Reserve:
+        self.refresh()
         if self.mode == "off":
             return Reserve.RESERVED
 
@@ -140,12 +286,18 @@ class WorkspaceBudget(_Budget):
         answer = self.db.write(work)
         if answer is Reserve.REFUSED:
             self._refused(name)
+        else:
+            self._mine.add(name)
         return answer
 
     def release(self, name: str) -> bool:
-        """Give ``name`` back (this process's hold on it); False if it held none."""
-        if self.mode == "off":
+        """Give ``name`` back (this process's hold on it); False if it held none.
+
+        A name held before the mode became ``off`` goes back too; a name never
+        held costs no database write."""
+        if name not in self._mine:
             return False
+        self._mine.discard(name)
 
         def work(conn: Connection) -> bool:
             self._lock(conn)
@@ -332,14 +484,12 @@ ClientBudget = WorkspaceBudget | SessionBudget
 
 
 def client_budget(
-    db: Database,
-    *,
-    mode: str,
-    budget: int,
-    holder: str,
-    per_process: bool = False,
-    clock: Callable[[], float] = time.time,
+    db: Database, settings: Settings, *, holder: str, clock: Callable[[], float] = time.time
 ) -> ClientBudget:
-    """The workspace's budget, or each process's own when ``per_process`` (the kill switch)."""
-    kind = SessionBudget if per_process else WorkspaceBudget
-    return kind(db, mode=mode, budget=budget, holder=holder, clock=clock)
+    """The workspace's budget, or this process's own (``budget_mode``, ``client_budget``)
+    under the kill switch ``no_workspace_budget``."""
+    if settings.no_workspace_budget:
+        return SessionBudget(
+            db, mode=settings.budget_mode, budget=settings.client_budget, holder=holder, clock=clock
+        )
+    return WorkspaceBudget(db, holder=holder, clock=clock, refresh_sec=settings.config_check_sec)
