@@ -104,6 +104,31 @@ def create_or_adopt(name: str, create: Callable[[], None]) -> None:
     if not sa.inspect(op.get_bind()).has_table(name):
         create()
         return
+    _set_aside(name, create)
+
+
+def repair(
+    name: str, create: Callable[[], None], key: list[str], views: Mapping[str, str] = {}
+) -> None:
+    """Set aside a ``name`` that an earlier release adopted in place, lacking the ``key``
+    agentbus's upserts need (its rows, the columns added then included); ``views``
+    (name -> body) read ``name`` and are made again over agentbus's table."""
+    inspector = sa.inspect(op.get_bind())
+    if not inspector.has_table(name) or inspector.has_table(PREFIX + name):
+        return
+    keys = [inspector.get_pk_constraint(name).get("constrained_columns") or []]
+    keys += [u["column_names"] for u in inspector.get_unique_constraints(name)]
+    keys += [i["column_names"] for i in inspector.get_indexes(name) if i.get("unique")]
+    if any(list(k) == key for k in keys):
+        return
+    for view in views:
+        op.execute(f"DROP VIEW {view}")
+    _set_aside(name, create)
+    for view, body in views.items():
+        op.execute(f"CREATE VIEW {view} AS {body}")
+
+
+def _set_aside(name: str, create: Callable[[], None]) -> None:
     kept = PREFIX + name
     op.rename_table(name, kept)
     _record(name, kept, _count(kept), None, None)

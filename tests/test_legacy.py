@@ -172,3 +172,49 @@ def test_busctl_retries_an_adopted_failed_task_after_a_sweep(
     assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "task 2 re-queued", "")
     shown = json.loads(run_busctl("--db", url, "show", "2", "--json").stdout)
     assert (shown["task"]["status"], shown["task"]["command"]) == ("queued", "macro brief")
+
+
+def test_tables_an_earlier_release_adopted_in_place_are_set_aside(
+    db_url: str, clock: FakeClock
+) -> None:
+    """An earlier release added its columns to the older ops_todos and model_cooldown but
+    no keys: the demotion's and the cooldowns' upserts failed. Migrating repairs that."""
+    db = Database(db_url)
+    downgrade(db, "0008")
+    real = "REAL" if db.dialect == "sqlite" else "DOUBLE PRECISION"
+    with db.engine.begin() as conn:
+        for sql in (
+            "DROP TABLE adopted_tables",
+            "DROP VIEW active_cooldowns",
+            "DROP TABLE ops_todos",
+            "DROP TABLE model_cooldown",
+            f"CREATE TABLE ops_todos (note TEXT NOT NULL, kind TEXT, task_id BIGINT,"
+            f" agent TEXT, why TEXT, created_at {real}, resolved_at {real})",
+            "INSERT INTO ops_todos VALUES ('n', 'demoted', 5, 'ron', 'old', 1, NULL),"
+            " ('n', 'demoted', 5, 'ron', 'old', 1, NULL)",
+            f"CREATE TABLE model_cooldown (model_id TEXT, cooldown_until {real},"
+            f" updated_at {real}, reason TEXT, source TEXT)",
+            "INSERT INTO model_cooldown VALUES ('sim/a', 1, 1, '429', 'w'),"
+            " ('sim/a', 2, 1, '429', 'w')",
+            "CREATE VIEW active_cooldowns AS SELECT model_id FROM model_cooldown",
+        ):
+            conn.exec_driver_sql(sql)
+    found = {name: legacy_db.snapshot(db, name) for name in LEGACY_TABLES}
+    migrate(db)
+    for name, rows in found.items():
+        assert legacy_db.snapshot(db, f"legacy_{name}") == rows
+    assert _todos(db) == [("demoted", 5, "ron", "old")]
+    assert _cooldowns(db) == [("sim/a", 2.0, "w")]
+
+    sweep = jobs.Sweep(db, LiveConfig.fixed(Settings()), clock=clock)
+    sweep.cooldowns.set("sim/a", clock.now + 60, reason="429")  # the upsert works again
+    with db.engine.connect() as conn:
+        active = conn.execute(sa.text("SELECT model_id, seconds_left FROM active_cooldowns"))
+        assert [r.model_id for r in active] == ["sim/a"]  # the view reads agentbus's table
+    task_id = sweep.queue.enqueue(TaskSpec(agent="ron", command="p", models=("sim/a",))).id
+    (task,) = sweep.queue.claim("ron", "w", 30)
+    sweep.queue.pause(task_id, task.claim_token, clock.now + 99 * 3600, "cooldown")
+    clock.advance(49 * 3600)
+    assert jobs.demote(sweep) == {"demoted": 1}
+    assert ("demoted", task_id, "ron") in [r[:3] for r in _todos(db)]
+    db.dispose()

@@ -1,12 +1,19 @@
 """Workspace settings (the client budget's mode and size), the refusal as clients see
 it on route_log, and the record of adopted tables for databases migrated before it.
 
+An earlier release adopted the older system's ops_todos and model_cooldown in
+place, without the keys the demotion's and the cooldowns' upserts need; such a
+table is now kept aside as legacy_<name> like revision 0002 does (this
+revision's downgrade leaves it so; 0002's puts it back).
+
 Revision ID: 0009
 Revises: 0008
 Create Date: 2026-11-30
 """
 
 from __future__ import annotations
+
+import importlib
 
 import sqlalchemy as sa
 from alembic import op
@@ -19,6 +26,8 @@ branch_labels = None
 depends_on = None
 
 Epoch = sa.Float(precision=53).with_variant(sa.REAL(), "sqlite")
+_v2 = importlib.import_module("agentbus.migrations.versions.0002_agentbus_schema")
+_v4 = importlib.import_module("agentbus.migrations.versions.0004_kpis")
 
 
 def upgrade() -> None:
@@ -32,6 +41,9 @@ def upgrade() -> None:
     op.add_column("route_log", sa.Column("refusal", sa.JSON))
     if not sa.inspect(op.get_bind()).has_table("adopted_tables"):
         adoption.create_record_table()  # revision 0002 creates it since this release
+    adoption.repair("ops_todos", _v2._create_ops_todos, ["kind", "task_id"])
+    views = {"active_cooldowns": _v4.ACTIVE_COOLDOWNS}
+    adoption.repair("model_cooldown", _v2._create_model_cooldown, ["model_id"], views)
 
 
 def downgrade() -> None:
