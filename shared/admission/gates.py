@@ -76,20 +76,16 @@ class Refusal:
         return max(0, round((self.retry_after - now) * 1000))
 
     def as_dict(self, now: float) -> dict[str, Any]:
-        """The refusal as every user sees it (route rows, pause events, busctl, status)."""
-        return contract(self.code, self.retry_after_ms(now), self.gate, self.detail)
-
-
-def contract(code: Code, retry_after_ms: int, gate: str, detail: str) -> dict[str, Any]:
-    """``{code, name, retry_after_ms, suggested_action, gate, detail}``."""
-    return {
-        "code": code.wire,
-        "name": code.value,
-        "retry_after_ms": retry_after_ms,
-        "suggested_action": code.suggested_action,
-        "gate": gate,
-        "detail": detail,
-    }
+        """The refusal as every user sees it (route rows, pause events, busctl, status):
+        ``{code, name, retry_after_ms, suggested_action, gate, detail}``."""
+        return {
+            "code": self.code.wire,
+            "name": self.code.value,
+            "retry_after_ms": self.retry_after_ms(now),
+            "suggested_action": self.code.suggested_action,
+            "gate": self.gate,
+            "detail": self.detail,
+        }
 
 
 def refuse(refusals: list[Refusal], gates: dict[str, Any]) -> Refusal | None:

@@ -58,7 +58,7 @@ class Route:
     code: str | None = None  # a refusal's code
     retry_after: float | None = None  # when the refusing gate admits again
     gates: Mapping[str, Any] | None = None
-    refusal: Mapping[str, Any] | None = None  # the refusal as clients see it (gates.contract)
+    refusal: Mapping[str, Any] | None = None  # the refusal as clients see it (Refusal.as_dict)
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cost: float | None = None
