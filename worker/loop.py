@@ -79,7 +79,8 @@ class Worker:
         self._lock = threading.Lock()  # guards _held and _running (the watchdog reads them)
         self._running: Task | None = None  # the task whose call the main thread is in
         self._held: list[Task] = []  # claimed by us and not yet settled in the database
-        self._acks: list[Settlement] = []  # done, to acknowledge with the batch
+        self._acks: list[Settlement] = []  # done, to acknowledge with the next claim
+        self._done: dict[int, tuple[str | None, int]] = {}  # their model and calls (the log)
         self._stop_reason: str | None = None
         self._stop_logged = False
         self._taken_over: set[int] = set()  # claims the watchdog found lost (ids)
@@ -126,9 +127,7 @@ class Worker:
                     room = min(room, self.options.max_tasks - processed)
                 if room <= 0:
                     break
-                tasks = self.queue.claim(
-                    self.options.agent, self.id, self.options.lease_sec, limit=room
-                )
+                tasks = self._claim(room)  # acknowledging the last completions with it
                 if not tasks:
                     if self.options.drain:
                         break
@@ -144,11 +143,16 @@ class Worker:
                     self._process(task)
                     processed += 1
                 self._noticed_stop()
-                self._flush_acks()
+                acked = {ack.task_id for ack in self._acks}
                 for task in list(self._held):  # claimed but not started: give them back
-                    self._release(task)
+                    if task.id not in acked:
+                        self._release(task)
         finally:
             self._noticed_stop()
+            try:
+                self._claim(0)  # the completions not yet acknowledged
+            except Exception as exc:  # their leases run out: the sweeper re-queues them
+                self.log.error("ack_failed", tasks=len(self._acks), error=repr(exc))
             self._finished.set()
             self.registry.remove()
             self.providers.close()
@@ -276,16 +280,16 @@ class Worker:
             return
         d = run.decision
         item = run.settlement(task)
-        if isinstance(d, Complete) and self.options.batch > 1:
-            self._acks.append(item)  # acknowledged with the batch (the lease stays renewed)
+        if isinstance(d, Complete):
+            # Acknowledged in the transaction of the next claim (the lease stays renewed
+            # meanwhile): one commit per task, or per batch.
+            self._acks.append(item)
+            self._done[task.id] = (d.model, run.calls)
             return
         self._forget(task)
         if not self._settle_now(task, item):
             return
         match d:
-            case Complete():
-                self.log.info("task_done", task_id=task.id, model=d.model, calls=run.calls)
-                self._record(failed=False)
             case Pause():
                 resume_in = round(d.resume_after - time.time(), 1)
                 self.log.info("task_paused", task_id=task.id, model=d.model, resume_in=resume_in)
@@ -308,18 +312,30 @@ class Worker:
             self.log.warning("claim_lost", task_id=rejected.task_id, detail=rejected.message)
         return {rejected.task_id for rejected in lost}
 
-    def _flush_acks(self) -> None:
-        """Acknowledge the batch's completed tasks in one transaction."""
-        if not self._acks:
-            return
+    def _claim(self, room: int) -> list[Task]:
+        """Acknowledge the completed tasks and claim up to ``room`` more, in one
+        transaction; returns the tasks claimed."""
         acks, self._acks = self._acks, []
-        lost = self._lost(self.queue.settle_many(acks, worker=self.id))
+        try:
+            rejected, tasks = self.queue.settle_and_claim(
+                acks, self.options.agent, self.id, self.options.lease_sec, room
+            )
+        except BaseException:
+            self._acks = acks + self._acks  # not acknowledged: kept (and their leases renewed)
+            raise
+        lost = self._lost(rejected)
         for ack in acks:
             self._forget_id(ack.task_id)
         done = [ack.task_id for ack in acks if ack.task_id not in lost]
-        if done:  # one line per batch: short tasks at full speed must not flood the log
+        info = {ack.task_id: self._done.pop(ack.task_id, (None, 0)) for ack in acks}
+        if len(done) == 1:
+            model, calls = info[done[0]]
+            self.log.info("task_done", task_id=done[0], model=model, calls=calls)
+        elif done:  # one line per batch: short tasks at full speed must not flood the log
             self.log.info("batch_done", tasks=len(done), task_ids=done)
+        if done:
             self._record(failed=False)
+        return tasks
 
     def _forget(self, task: Task) -> None:
         self._forget_id(task.id)

@@ -129,38 +129,57 @@ class TaskQueue(SweepOps):
 
     def claim(self, agent: str, worker: str, lease_sec: float, limit: int = 1) -> list[Task]:
         """Claim up to ``limit`` due queued tasks of ``agent``: priority first, then age."""
+        return self.settle_and_claim((), agent, worker, lease_sec, limit)[1]
 
-        def work(conn: Connection) -> list[sa.RowMapping]:
+    def settle_and_claim(
+        self, items: Sequence[Settlement], agent: str, worker: str, lease_sec: float, limit: int
+    ) -> tuple[list[TransitionRejected], list[Task]]:
+        """Settle ``items`` (as ``settle_many``) and claim up to ``limit`` next tasks (as
+        ``claim``) in one transaction: a worker's steady state costs one commit per
+        claim. ``limit`` 0 only settles."""
+
+        def work(conn: Connection) -> tuple[list[TransitionRejected], list[sa.RowMapping]]:
             # Keep the write transaction short (SQLite serializes writers on it):
             # the rows become Task objects after the commit.
             now = self.clock()
-            params = {
-                "p_agent": agent,
-                "p_worker": worker,
-                "p_now": now,
-                "p_lease_until": now + lease_sec,
-                "p_limit": limit,
-            }
-            rows = conn.execute(self._claim, params).mappings().all()
-            events.record(
-                conn,
-                [
-                    events.event(
-                        row["id"],
-                        TaskStatus.QUEUED,
-                        TaskStatus.CLAIMED,
-                        now,
-                        worker=worker,
-                        claim_token=row["claim_token"],
-                        reason="claim",
-                    )
-                    for row in rows
-                ],
-            )
-            return list(rows)
+            lost = self._settle_in(conn, items, worker, now) if items else []
+            return lost, self._claim_in(conn, agent, worker, now, lease_sec, limit)
 
-        tasks = [Task.from_row(row) for row in self.db.write(work)]
-        return sorted(tasks, key=lambda task: (-task.priority, task.id))
+        if not items and limit <= 0:
+            return [], []
+        lost, rows = self.db.write(work)
+        tasks = [Task.from_row(row) for row in rows]
+        return lost, sorted(tasks, key=lambda task: (-task.priority, task.id))
+
+    def _claim_in(
+        self, conn: Connection, agent: str, worker: str, now: float, lease_sec: float, limit: int
+    ) -> list[sa.RowMapping]:
+        if limit <= 0:
+            return []
+        params = {
+            "p_agent": agent,
+            "p_worker": worker,
+            "p_now": now,
+            "p_lease_until": now + lease_sec,
+            "p_limit": limit,
+        }
+        rows = conn.execute(self._claim, params).mappings().all()
+        events.record(
+            conn,
+            [
+                events.event(
+                    row["id"],
+                    TaskStatus.QUEUED,
+                    TaskStatus.CLAIMED,
+                    now,
+                    worker=worker,
+                    claim_token=row["claim_token"],
+                    reason="claim",
+                )
+                for row in rows
+            ],
+        )
+        return list(rows)
 
     def heartbeat(self, task_id: int, token: int, lease_sec: float) -> float:
         """Extend the lease of a claim we hold; returns the new lease end."""
@@ -195,26 +214,30 @@ class TaskQueue(SweepOps):
         """
 
         def work(conn: Connection) -> list[TransitionRejected]:
-            now = self.clock()
-            completes = [i for i in items if isinstance(i.decision, Complete)]
-            settled = self._complete(conn, completes, now)
-            for item in items:
-                if isinstance(item.decision, Complete):
-                    continue
-                action, params = settle_params(item.decision)
-                full = {"p_id": item.task_id, "p_token": item.token, "p_now": now, **params}
-                if conn.execute(SETTLE[action], text_safe(full)).rowcount == 1:
-                    settled.add(item.task_id)
-            done = [i for i in items if i.task_id in settled]
-            events.record(conn, [events.for_settlement(i, worker, now) for i in done])
-            events.record_routes(conn, [route for i in done for route in i.routes])
-            return [
-                self._rejection(conn, i.task_id, action_of(i.decision), i.token)
-                for i in items
-                if i.task_id not in settled
-            ]
+            return self._settle_in(conn, items, worker, self.clock())
 
         return self.db.write(work) if items else []
+
+    def _settle_in(
+        self, conn: Connection, items: Sequence[Settlement], worker: str | None, now: float
+    ) -> list[TransitionRejected]:
+        completes = [i for i in items if isinstance(i.decision, Complete)]
+        settled = self._complete(conn, completes, now)
+        for item in items:
+            if isinstance(item.decision, Complete):
+                continue
+            action, params = settle_params(item.decision)
+            full = {"p_id": item.task_id, "p_token": item.token, "p_now": now, **params}
+            if conn.execute(SETTLE[action], text_safe(full)).rowcount == 1:
+                settled.add(item.task_id)
+        done = [i for i in items if i.task_id in settled]
+        events.record(conn, [events.for_settlement(i, worker, now) for i in done])
+        events.record_routes(conn, [route for i in done for route in i.routes])
+        return [
+            self._rejection(conn, i.task_id, action_of(i.decision), i.token)
+            for i in items
+            if i.task_id not in settled
+        ]
 
     def _complete(self, conn: Connection, items: list[Settlement], now: float) -> set[int]:
         """Complete claims in one statement; returns the ids whose claim held."""
