@@ -142,8 +142,11 @@ class TaskQueue(SweepOps):
             # Keep the write transaction short (SQLite serializes writers on it):
             # the rows become Task objects after the commit.
             now = self.clock()
-            lost = self._settle_in(conn, items, worker, now) if items else []
-            return lost, self._claim_in(conn, agent, worker, now, lease_sec, limit)
+            moves: list[dict[str, Any]] = []  # the event rows of both: one INSERT
+            lost = self._settle_in(conn, items, worker, now, moves) if items else []
+            rows = self._claim_in(conn, agent, worker, now, lease_sec, limit, moves)
+            events.record(conn, moves)
+            return lost, rows
 
         if not items and limit <= 0:
             return [], []
@@ -152,8 +155,16 @@ class TaskQueue(SweepOps):
         return lost, sorted(tasks, key=lambda task: (-task.priority, task.id))
 
     def _claim_in(
-        self, conn: Connection, agent: str, worker: str, now: float, lease_sec: float, limit: int
+        self,
+        conn: Connection,
+        agent: str,
+        worker: str,
+        now: float,
+        lease_sec: float,
+        limit: int,
+        moves: list[dict[str, Any]],
     ) -> list[sa.RowMapping]:
+        """Claim in ``conn``; the claims' event rows are added to ``moves``."""
         if limit <= 0:
             return []
         params = {
@@ -164,20 +175,17 @@ class TaskQueue(SweepOps):
             "p_limit": limit,
         }
         rows = conn.execute(self._claim, params).mappings().all()
-        events.record(
-            conn,
-            [
-                events.event(
-                    row["id"],
-                    TaskStatus.QUEUED,
-                    TaskStatus.CLAIMED,
-                    now,
-                    worker=worker,
-                    claim_token=row["claim_token"],
-                    reason="claim",
-                )
-                for row in rows
-            ],
+        moves.extend(
+            events.event(
+                row["id"],
+                TaskStatus.QUEUED,
+                TaskStatus.CLAIMED,
+                now,
+                worker=worker,
+                claim_token=row["claim_token"],
+                reason="claim",
+            )
+            for row in rows
         )
         return list(rows)
 
@@ -214,13 +222,22 @@ class TaskQueue(SweepOps):
         """
 
         def work(conn: Connection) -> list[TransitionRejected]:
-            return self._settle_in(conn, items, worker, self.clock())
+            moves: list[dict[str, Any]] = []
+            lost = self._settle_in(conn, items, worker, self.clock(), moves)
+            events.record(conn, moves)
+            return lost
 
         return self.db.write(work) if items else []
 
     def _settle_in(
-        self, conn: Connection, items: Sequence[Settlement], worker: str | None, now: float
+        self,
+        conn: Connection,
+        items: Sequence[Settlement],
+        worker: str | None,
+        now: float,
+        moves: list[dict[str, Any]],
     ) -> list[TransitionRejected]:
+        """Settle in ``conn``; the settled moves' event rows are added to ``moves``."""
         completes = [i for i in items if isinstance(i.decision, Complete)]
         settled = self._complete(conn, completes, now)
         for item in items:
@@ -231,7 +248,7 @@ class TaskQueue(SweepOps):
             if conn.execute(SETTLE[action], text_safe(full)).rowcount == 1:
                 settled.add(item.task_id)
         done = [i for i in items if i.task_id in settled]
-        events.record(conn, [events.for_settlement(i, worker, now) for i in done])
+        moves.extend(events.for_settlement(i, worker, now) for i in done)
         events.record_routes(conn, [route for i in done for route in i.routes])
         return [
             self._rejection(conn, i.task_id, action_of(i.decision), i.token)
