@@ -17,6 +17,8 @@ Workload (per backend):
   ``jobs.resume`` pass, timed.
 - resume latency: a worker pauses 20 tasks on a 2 s cooldown; a sweeper
   service resumes them; resume event time minus the pause's resume_after.
+- enqueue-to-claim latency: one idle worker (default poll_sec); 20 tasks
+  enqueued 0.2-1.5 s apart; claim event time minus enqueue event time.
 - claim+complete: T no-op tasks are enqueued first; then P worker processes
   (spawned, connected and warmed up before the clock starts) claim and
   complete until the queue is empty. ``batch`` is how many tasks one claim
@@ -341,6 +343,49 @@ def bench_resume_latency(url: str, synchronous: str, tasks: int = 20) -> list[tu
     ]
 
 
+def bench_wakeup_latency(url: str, synchronous: str, tasks: int = 20) -> list[tuple[str, str]]:
+    """How soon an idle worker claims a task after its enqueue (PostgreSQL: notified;
+    SQLite: adaptive polling). One ``worker`` with the default ``poll_sec``; tasks are
+    enqueued one at a time, 0.2 to 1.5 s apart (so they land anywhere in a poll);
+    the latency is the claim event's time minus the enqueue event's."""
+    db = Database(url, sqlite_synchronous=synchronous)
+    queue = TaskQueue(db)
+    env = {**os.environ, "AGENTBUS_DATABASE_URL": url, "AGENTBUS_SQLITE_SYNCHRONOUS": synchronous}
+    worker = subprocess.Popen(
+        [str(Path(sys.executable).parent / "worker"), "--agent", "wake"],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
+    while "wake" not in reads.live_agents(db):
+        time.sleep(0.05)
+    time.sleep(2.0)  # idle for a while: the worker polls at poll_sec by now
+    ids = []
+    for i in range(tasks):
+        ids.append(queue.enqueue(TaskSpec(agent="wake", command=str(i), models=("sim/noop",))).id)
+        time.sleep(0.2 + (i * 0.37) % 1.3)
+    deadline = time.time() + 30
+    while time.time() < deadline and any(queue.get(i).status != "done" for i in ids):
+        time.sleep(0.1)
+    worker.terminate()
+    worker.wait()
+    lags = []
+    for task_id in ids:
+        at = {e["reason"]: e["at"] for e in reads.task_events(db, task_id)}
+        if "claim" in at:
+            lags.append(at["claim"] - at["enqueue"])
+    db.dispose()
+    lags.sort()
+    if not lags:
+        return [("enqueue-to-claim latency, idle worker", "no claim observed")]
+    p95 = lags[min(len(lags) - 1, round(len(lags) * 0.95) - 1)]
+    return [
+        (
+            f"enqueue-to-claim latency, idle worker ({len(lags)} tasks), p50 / p95",
+            f"{lags[len(lags) // 2] * 1000:,.0f} / {p95 * 1000:,.0f} ms",
+        )
+    ]
+
+
 def _rss_kib(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as fh:
@@ -414,6 +459,7 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     rows += bench_workers(url, args.sqlite_synchronous, 2, args.tasks // 2)
     rows += bench_sweeper(url, args.sqlite_synchronous, [int(n) for n in args.paused.split(",")])
     rows += bench_resume_latency(url, args.sqlite_synchronous)
+    rows += bench_wakeup_latency(url, args.sqlite_synchronous)
     for batch in (int(b) for b in args.batches.split(",")):
         for procs in (int(p) for p in args.processes.split(",")):
             rate = throughput(url, args.sqlite_synchronous, procs, batch, args.tasks)

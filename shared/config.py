@@ -90,7 +90,11 @@ class Settings:
     grace_sec: float = _doc(
         "On SIGTERM, how long a running call may finish before its task is released.", 30.0
     )
-    poll_sec: float = _doc("How long an idle worker waits before looking for work again.", 1.0)
+    poll_sec: float = _doc(
+        "An idle worker tries a claim at least this often (PostgreSQL wakes it at once on an "
+        "enqueue; on SQLite it looks every 50 ms with a cheap read).",
+        1.0,
+    )
     claim_batch: int = _doc(
         "Tasks a worker claims at once and runs in turn, acknowledging their completions "
         "together (1: one at a time; more is faster for short tasks).",

@@ -24,7 +24,7 @@ from agentbus.db import Database
 from agentbus.errors import TransitionRejected
 from agentbus.logging import get_logger
 from agentbus.providers import Providers
-from agentbus.queue import TaskQueue
+from agentbus.queue import TaskQueue, wakeups
 from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
 from agentbus.queue.tasks import Task
 from agentbus.queue.workers import WorkerRegistry, new_worker_id
@@ -74,6 +74,13 @@ class Worker:
         )
         self.runner = Runner(admission=self.admission, providers=self.providers, worker_id=self.id)
         self.stopping = threading.Event()
+        self._wake = threading.Event()  # a task was queued for us, or stop: look now
+        self._listener: wakeups.Listener | None = None
+        if db.dialect == "postgresql" and not options.drain:
+            conninfo = db.engine.url.set(drivername="postgresql")
+            self._listener = wakeups.Listener(
+                conninfo.render_as_string(hide_password=False), options.agent, self._wake
+            )
         self._finished = threading.Event()
         self._last_beat = 0.0
         self._lock = threading.Lock()  # guards _held and _running (the watchdog reads them)
@@ -92,6 +99,7 @@ class Worker:
         if self._stop_reason is None:
             self._stop_reason = reason
         self.stopping.set()
+        self._wake.set()
 
     def _noticed_stop(self) -> None:
         """Say once that a stop was asked for (the loop or the watchdog, whichever sees it
@@ -118,6 +126,8 @@ class Worker:
             ignored = disagreement(self.config.settings, budget.setting)
             if ignored is not None:
                 self.log.warning("client_budget_flags_ignored", detail=ignored)
+        if self._listener is not None:
+            self._listener.start()
         processed = 0
         try:
             while not self.stopping.is_set():
@@ -133,7 +143,7 @@ class Worker:
                         break
                     self._beat_if_due()
                     self._reload_if_changed()
-                    self.stopping.wait(self.options.poll_sec)
+                    self._wait_for_work()
                     continue
                 with self._lock:
                     self._held = list(tasks)
@@ -148,6 +158,8 @@ class Worker:
                     if task.id not in acked:
                         self._release(task)
         finally:
+            if self._listener is not None:
+                self._listener.close()
             self._noticed_stop()
             try:
                 self._claim(0)  # the completions not yet acknowledged
@@ -161,6 +173,21 @@ class Worker:
             self.log.error("exit", reason="the watchdog stopped: leases were no longer renewed")
             return 1
         return 0
+
+    def _wait_for_work(self) -> None:
+        """Idle: return when a task may be due — notified (PostgreSQL), seen by a cheap
+        look every LOOK_SEC (SQLite) — on a stop, or after ``poll_sec`` in any case."""
+        deadline = time.monotonic() + self.options.poll_sec
+        look = self._listener is None
+        while not self.stopping.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self._wake.wait(min(wakeups.LOOK_SEC, left) if look else left):
+                self._wake.clear()
+                return
+            if look and self.queue.has_due(self.options.agent):
+                return
 
     # -- one task ------------------------------------------------------------
 

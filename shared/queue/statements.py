@@ -159,6 +159,14 @@ MOVE_MANY: dict[str, Update] = {
 }
 
 
+#: Is a task of ``p_agent`` due? (an idle SQLite worker's cheap look: a read, no lock)
+HAS_DUE = (
+    sa.select(t.c.id)
+    .where(t.c.status == TaskStatus.QUEUED, t.c.agent == P_AGENT, t.c.run_after <= P_NOW)
+    .limit(1)
+)
+
+
 def claim_statement(dialect: str) -> Update:
     """Claim up to ``p_limit`` due queued tasks of ``p_agent`` in one statement."""
     picked = (

@@ -26,11 +26,12 @@ from sqlalchemy.engine import Connection
 
 from agentbus.admission.routing import Route
 from agentbus.errors import TaskNotFound, TransitionRejected
-from agentbus.queue import events, reads
+from agentbus.queue import events, reads, wakeups
 from agentbus.queue.base import Clock, text_safe
 from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
 from agentbus.queue.statements import (
     COMPLETE_MANY_POSTGRES,
+    HAS_DUE,
     HEARTBEAT,
     SETTLE,
     action_of,
@@ -83,6 +84,7 @@ class TaskQueue(SweepOps):
                     self._insert_key, {"key": spec.key, "task_id": new_id, "created_at": now}
                 )
             events.record(conn, [events.event(new_id, None, QUEUED, now, reason="enqueue")])
+            wakeups.notify(conn, (spec.agent,))
             return Enqueued(int(new_id), created=True)
 
         return self.db.write(work)
@@ -104,6 +106,7 @@ class TaskQueue(SweepOps):
             )
             ids = [int(i) for i in result.scalars()]
             events.record(conn, (events.event(i, None, QUEUED, now, reason="enqueue") for i in ids))
+            wakeups.notify(conn, (s.agent for s in specs))
             return ids
 
         return self.db.write(work) if specs else []
@@ -188,6 +191,11 @@ class TaskQueue(SweepOps):
             for row in rows
         )
         return list(rows)
+
+    def has_due(self, agent: str) -> bool:
+        """Whether a task of ``agent`` is queued and due (a read: no write lock taken)."""
+        params = {"p_agent": agent, "p_now": self.clock()}
+        return self.db.read(lambda conn: conn.execute(HAS_DUE, params).first() is not None)
 
     def heartbeat(self, task_id: int, token: int, lease_sec: float) -> float:
         """Extend the lease of a claim we hold; returns the new lease end."""

@@ -1,0 +1,66 @@
+"""Waking idle workers: PostgreSQL notifies on enqueue, SQLite workers poll adaptively."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from agentbus.db import Database
+from agentbus.queue import TaskQueue, wakeups
+from agentbus.queue.tasks import TaskSpec
+from tests.support import FakeClock
+
+
+def test_has_due_sees_only_due_queued_tasks_of_the_agent(db: Database) -> None:
+    clock = FakeClock()
+    queue = TaskQueue(db, clock=clock)
+    assert not queue.has_due("codex")
+    queue.enqueue(TaskSpec(agent="ron", command="x", models=("sim/a",)))
+    later = TaskSpec(agent="codex", command="x", models=("sim/a",), delay_sec=10)
+    queue.enqueue(later)
+    assert not queue.has_due("codex")  # another agent's, and one not due yet
+    clock.advance(10)
+    assert queue.has_due("codex")
+    assert len(queue.claim("codex", "w", 30)) == 1
+    assert not queue.has_due("codex")  # claimed: no longer queued
+
+
+def test_an_enqueue_wakes_the_listener_of_its_agent(db: Database) -> None:
+    queue = TaskQueue(db)
+    if db.dialect == "sqlite":  # no notification (the workers poll): enqueue as ever
+        task_id = queue.enqueue(TaskSpec(agent="codex", command="x", models=("sim/a",))).id
+        assert queue.get(task_id).status == "queued"
+        return
+    wake, other = threading.Event(), threading.Event()
+    url = db.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    listeners = [
+        wakeups.Listener(url, "codex", wake).start(),
+        wakeups.Listener(url, "ron", other).start(),
+    ]
+    try:
+        assert wake.wait(30) and other.wait(30)  # connected (each wakes once on connect)
+        wake.clear(), other.clear()
+        queue.enqueue(TaskSpec(agent="ron", command="x", models=("sim/a",)))
+        assert other.wait(30)  # the notification came…
+        assert not wake.is_set()  # …to ron's listener only
+        queue.enqueue_many([TaskSpec(agent="codex", command="y", models=("sim/a",))])
+        assert wake.wait(30)
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+@pytest.mark.parametrize("agents", [("a",), ("a", "b", "a")])
+def test_notify_is_one_statement_per_agent(db: Database, agents: tuple[str, ...]) -> None:
+    sent: list[object] = []
+
+    class Recorder:
+        dialect = db.engine.dialect
+
+        def execute(self, statement: object, params: object) -> None:
+            sent.append(params)
+
+    wakeups.notify(Recorder(), agents)  # type: ignore[arg-type]
+    expected = [{"agent": a} for a in sorted(set(agents))] if db.dialect == "postgresql" else []
+    assert sent == expected
