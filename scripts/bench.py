@@ -124,13 +124,12 @@ def drain(url: str, synchronous: str, agent: str, batch: int, ready: Event, go: 
     go.wait()
     done = 0
     worker = f"w{os.getpid()}"
-    while tasks := queue.claim(agent, worker, 60, limit=batch):
-        if batch == 1:
-            queue.complete(tasks[0].id, tasks[0].claim_token, None, worker=worker)
-        else:  # acknowledge the batch in one transaction
-            queue.settle_many(
-                [Settlement(t.id, t.claim_token, Complete(None)) for t in tasks], worker=worker
-            )
+    acks: list[Settlement] = []
+    while True:  # as the worker does: acknowledge the last claim's tasks with the next claim
+        _, tasks = queue.settle_and_claim(acks, agent, worker, 60, batch)
+        if not tasks:
+            break
+        acks = [Settlement(t.id, t.claim_token, Complete(None)) for t in tasks]
         done += len(tasks)
     db.dispose()
     return done
@@ -418,6 +417,69 @@ rate = 1000000
 """
 
 
+def fleet_config(providers: int, global_limit: int) -> str:
+    """Every gate on each of ``providers`` providers: concurrency, rpm, a circuit, a
+    bulkhead of its own; per-agent rates; daily budgets; a global limit if given."""
+    text = f"global_concurrency = {global_limit}\ndaily_token_budget = 1000000000000\n"
+    text += "daily_cost_budget = 1000000\n[bulkheads]\n"
+    text += "".join(f"heavy{p} = 1000\n" for p in range(providers))
+    for p in range(providers):
+        text += (
+            f'[providers.p{p}]\nkind = "simulated"\nconcurrency = 1000\nrpm = 100000000\n'
+            f'[models."p{p}/m"]\nprovider = "p{p}"\nbulkhead = "heavy{p}"\n'
+        )
+    for a in range(8):
+        text += f'[agents.a{a}]\nmodels = ["p0/m"]\nrate = 100000000\n'
+    return text
+
+
+def admit_loop(url: str, config_text: str, n: int, calls: int, ready: Event, go: Event) -> int:
+    """One process of the fleet: admit and finish ``calls`` times (agent a<n>, provider
+    p<n mod providers>)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "agentbus.toml"
+        path.write_text(config_text)
+        config = load_config(path, environ={})
+    db = Database(url)
+    adm = Admission(db, config, worker=f"f{n}", cooldowns=CooldownStore(db), environ={})
+    providers = sum(1 for name in config.catalog.providers if name.startswith("p"))
+    model = f"p{n % providers}/m"
+    (candidate,) = adm.resolve(models=(model,), role=None, agent=f"a{n}").candidates
+    adm.finish(adm.admit(candidate, agent=f"a{n}", task_id=1, lease_sec=60), Succeeded("ok"))  # type: ignore[arg-type]
+    ready.set()
+    go.wait()
+    for _ in range(calls):
+        permit = adm.admit(candidate, agent=f"a{n}", task_id=1, lease_sec=60)
+        assert isinstance(permit, Permit), permit
+        adm.finish(permit, Succeeded("ok"))
+    db.dispose()
+    return calls
+
+
+def bench_fleet_admission(url: str, calls: int = 300) -> list[tuple[str, str]]:
+    """Limited admissions per second across 8 processes (admit + finish, every gate)."""
+    rows = []
+    ctx = mp.get_context("spawn")
+    for providers, global_limit in ((1, 0), (4, 0), (4, 100000)):
+        text = fleet_config(providers, global_limit)
+        with ctx.Manager() as manager, ProcessPoolExecutor(8, mp_context=ctx) as pool:
+            readies = [manager.Event() for _ in range(8)]
+            go = manager.Event()
+            futures = [
+                pool.submit(admit_loop, url, text, n, calls, readies[n], go) for n in range(8)
+            ]
+            for ready in readies:
+                ready.wait()
+            began = time.perf_counter()
+            go.set()
+            done = sum(f.result() for f in futures)
+            elapsed = time.perf_counter() - began
+        scope = f"{providers} provider{'s' if providers > 1 else ''}"
+        scope += ", a global limit too" if global_limit else ""
+        rows.append((f"limited admissions, 8 processes, {scope}", f"{done / elapsed:,.0f} /s"))
+    return rows
+
+
 def bench_admission(db: Database, calls: int) -> list[tuple[str, str]]:
     """Admission per call: every gate configured (one transaction), and none (no I/O)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -460,6 +522,7 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     rows += bench_sweeper(url, args.sqlite_synchronous, [int(n) for n in args.paused.split(",")])
     rows += bench_resume_latency(url, args.sqlite_synchronous)
     rows += bench_wakeup_latency(url, args.sqlite_synchronous)
+    rows += bench_fleet_admission(url)
     for batch in (int(b) for b in args.batches.split(",")):
         for procs in (int(p) for p in args.processes.split(",")):
             rate = throughput(url, args.sqlite_synchronous, procs, batch, args.tasks)

@@ -10,9 +10,10 @@ import pytest
 import sqlalchemy as sa
 
 from agentbus.admission import usage
-from agentbus.admission.admission import Admissible, Admission, Permit
+from agentbus.admission.admission import LOCK_CLASS, Admissible, Admission, Permit, lock_gates
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import Code, Refusal
+from agentbus.admission.limits import Limits
 from agentbus.admission.routing import Candidate, Route
 from agentbus.config import Config, load_config
 from agentbus.db import Database
@@ -295,3 +296,29 @@ def test_a_refused_credential_leaves_the_account_out_until_it_changes(
     )
     found = rotated.resolve(models=("sim/a",), role=None, agent="codex")
     assert [c.key for c in found.candidates] == ["sim/a@a", "sim/a@b"]
+
+
+def test_an_admission_locks_only_the_gates_it_counts(db: Database) -> None:
+    """PostgreSQL: the gates' locks are keyed by gate, so admissions through other
+    providers, accounts, bulkheads and agents do not wait (SQLite: one writer anyway)."""
+    one = Limits(5, 3, ("heavy", 2), (10, 60.0), (50, 1.0), 0, 0.0)
+    a = Candidate("sim/a", "sim", "acct", "a")
+    assert one.lock_keys(a, "codex") == [
+        "concurrency",
+        "provider:sim",
+        "bulkhead:heavy",
+        "rpm:sim/acct",
+        "agent:codex",
+    ]
+    assert Limits(0, None, None, None, None, 100, 1.0).lock_keys(a, "codex") == []  # budgets
+    if db.dialect != "postgresql":
+        with db.engine.begin() as conn:
+            lock_gates(conn, ["rpm:sim/acct"])  # nothing to take
+        return
+    try_lock = sa.text("SELECT pg_try_advisory_xact_lock(:c, hashtext(:k))")
+    with db.engine.begin() as holder, db.engine.begin() as other:
+        lock_gates(holder, ["rpm:sim/acct", "agent:codex"])
+        assert other.execute(try_lock, {"c": LOCK_CLASS, "k": "rpm:sim/other"}).scalar()
+        assert other.execute(try_lock, {"c": LOCK_CLASS, "k": "agent:ron"}).scalar()
+        assert not other.execute(try_lock, {"c": LOCK_CLASS, "k": "rpm:sim/acct"}).scalar()
+        assert not other.execute(try_lock, {"c": LOCK_CLASS, "k": "agent:codex"}).scalar()

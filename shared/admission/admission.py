@@ -18,7 +18,7 @@ limited gate and takes the slot (Postgres: under one advisory lock, SQLite:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -54,7 +54,23 @@ from agentbus.providers.outcomes import AuthFailed, Outcome, RateLimited, TimedO
 from agentbus.schema import account_state, call_slots
 
 log = get_logger("agentbus.admission")
-ADVISORY_KEY = 0x61646D6974  # "admit": one lock serializes admissions on Postgres
+#: PostgreSQL: an admission holds a transaction lock on each gate it counts (the
+#: class "admi", the gate's name hashed), so admissions through different
+#: providers, accounts, bulkheads and agents never wait for each other.
+LOCK_CLASS = 0x61646D69
+# One round trip for all of them, taken in the array's order (a function scan's).
+_LOCK = sa.text(
+    "SELECT count(pg_advisory_xact_lock(:lock_class, hashtext(k))) "
+    "FROM unnest(CAST(:keys AS text[])) WITH ORDINALITY AS u(k, i)"
+)
+
+
+def lock_gates(conn: Connection, keys: Iterable[str]) -> None:
+    """Lock the gates ``keys`` until the transaction ends (PostgreSQL; SQLite's one writer
+    at a time serializes already). Always in sorted order: two admissions never deadlock."""
+    wanted = sorted(set(keys))
+    if wanted and conn.dialect.name == "postgresql":
+        conn.execute(_LOCK, {"lock_class": LOCK_CLASS, "keys": wanted})
 
 
 @dataclass(eq=False)
@@ -281,8 +297,9 @@ class Admission:
         gates: dict[str, Any],
         take: bool,
     ) -> Permit | Refusal | Admissible:
-        if take and self.db.dialect == "postgresql":
-            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(ADVISORY_KEY)))
+        if take:
+            circuit = [f"circuit:{c.provider}"] if "circuit" in gates else []
+            lock_gates(conn, [*limits.lock_keys(c, agent), *circuit])
         now = self.clock()
         recheck = now + self.settings.admission_recheck_sec
         refusals, rooms = limits.check(conn, c, agent, now, gates, take=take, recheck=recheck)
@@ -375,8 +392,7 @@ class Admission:
                     .values(released_at=now)
                 )
             if failed is not None:
-                if self.db.dialect == "postgresql":
-                    conn.execute(sa.select(sa.func.pg_advisory_xact_lock(ADVISORY_KEY)))
+                lock_gates(conn, [f"circuit:{c.provider}"])
                 self.circuits.count(conn, provider, failed=failed, probe=permit.probe, now=now)
 
         self.db.write(work)

@@ -49,6 +49,22 @@ class Limits:
             settings.daily_cost_budget,
         )
 
+    def lock_keys(self, c: Candidate, agent: str) -> list[str]:
+        """The gates whose counts an admission of ``c`` reads and adds to: each is locked
+        while it does (the daily budgets are thresholds over settled usage: no lock)."""
+        keys = []
+        if self.global_concurrency:
+            keys.append("concurrency")
+        if self.provider_concurrency:
+            keys.append(f"provider:{c.provider}")
+        if self.bulkhead:
+            keys.append(f"bulkhead:{self.bulkhead[0]}")
+        if self.rpm:
+            keys.append(f"rpm:{c.provider}/{c.account}")
+        if self.agent_rate:
+            keys.append(f"agent:{agent}")
+        return keys
+
     @property
     def slot(self) -> bool:
         """Whether an admission takes a ``call_slots`` row (slots and windows count them)."""
