@@ -31,6 +31,7 @@ from agentbus.queue.base import Clock, text_safe
 from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
 from agentbus.queue.statements import (
     COMPLETE_MANY_POSTGRES,
+    ENQUEUE_POSTGRES,
     HAS_DUE,
     HEARTBEAT,
     SETTLE,
@@ -65,6 +66,9 @@ class TaskQueue(SweepOps):
         def work(conn: Connection) -> Enqueued:
             now = self.clock()
             row = self._row(spec, now)
+            if spec.key is None and self.db.dialect == "postgresql":
+                params = {f"p_{name}": value for name, value in row.items()}
+                return Enqueued(int(conn.execute(ENQUEUE_POSTGRES, params).scalar_one()), True)
             if spec.key is None:
                 new_id = conn.execute(sa.insert(t).returning(t.c.id), row).scalar_one()
             else:
