@@ -46,9 +46,20 @@ def test_an_enqueue_wakes_the_listener_of_its_agent(db: Database) -> None:
         assert not wake.is_set()  # …to ron's listener only
         queue.enqueue_many([TaskSpec(agent="codex", command="y", models=("sim/a",))])
         assert wake.wait(30)
+        # A task back on the queue wakes its agent too: a sweeper's resume, a retry.
+        (task,) = queue.claim("ron", "w", 30)
+        queue.pause(task.id, task.claim_token, 0.0, "cooldown")
+        other.clear()
+        assert queue.resume([task.id]) == [task.id]
+        assert other.wait(30)
+        (task,) = queue.claim("ron", "w", 30)
+        queue.fail(task.id, task.claim_token, "boom")
+        other.clear()
+        queue.retry(task.id)
+        assert other.wait(30)
     finally:
         for listener in listeners:
-            listener.close()
+            listener.close(wait=5.0)  # closed before the test's database is dropped
 
 
 @pytest.mark.parametrize("agents", [("a",), ("a", "b", "a")])

@@ -13,7 +13,7 @@ from sqlalchemy.engine import Connection
 
 from agentbus.db import Database
 from agentbus.errors import TransitionRejected
-from agentbus.queue import events
+from agentbus.queue import events, wakeups
 from agentbus.queue.statements import MOVE_MANY, claim_statement
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.queue.tasks import PayloadLimits
@@ -81,6 +81,9 @@ class QueueBase:
             )
             if also is not None:
                 also(conn, moved, now)
+            if target is TaskStatus.QUEUED and moved and self.db.dialect == "postgresql":
+                agents = sa.select(t.c.agent).where(t.c.id.in_(moved)).distinct()
+                wakeups.notify(conn, conn.execute(agents).scalars())  # resumed: claim them now
             return moved
 
         return self.db.write(work) if task_ids else []

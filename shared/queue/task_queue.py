@@ -388,9 +388,10 @@ class TaskQueue(SweepOps):
         """Put a failed or errored task back on the queue with fresh attempts."""
 
         def work(conn: Connection) -> None:
-            status = conn.execute(sa.select(t.c.status).where(t.c.id == task_id)).scalar()
-            if status is None:
+            found = conn.execute(sa.select(t.c.status, t.c.agent).where(t.c.id == task_id)).first()
+            if found is None:
                 raise TaskNotFound(f"task {task_id} does not exist")
+            status, agent = found
             sources, target = TRANSITIONS["retry"]
             if status not in sources:
                 raise TransitionRejected(task_id, "retry", "failed or error", status)
@@ -416,6 +417,7 @@ class TaskQueue(SweepOps):
             events.record(
                 conn, [events.event(task_id, status, target.value, now, reason="retry", worker=by)]
             )
+            wakeups.notify(conn, (agent,))
 
         self.db.write(work)
 

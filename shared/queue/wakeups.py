@@ -49,8 +49,11 @@ class Listener:
         self._thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, wait: float = 0.0) -> None:
+        """Stop listening; wait up to ``wait`` seconds for the connection to close."""
         self._closed.set()
+        if wait > 0 and self._thread.is_alive():
+            self._thread.join(wait)
 
     def _run(self) -> None:
         import psycopg
