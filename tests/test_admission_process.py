@@ -227,8 +227,14 @@ def test_after_the_open_period_exactly_one_probe_is_sent(
     assert row.state == "open" and row.consecutive_failures == 2
     failed_calls = len(journal(calls))
 
-    ids = enqueue(queue, 8, {"sim/a": {"behaviour": "ok", "latency_ms": 800}})
+    # The probe's call is held until others have been refused by the half-open circuit.
+    gate = tmp_path / "probe-may-finish"
+    ids = enqueue(queue, 8, {"sim/a": {"behaviour": "ok", "wait_for": str(gate)}})
     procs = [*workers(spawn, db_url, env, 4), spawn("sweeper", "--db", db_url, env=env)]
+    wait_until(lambda: Path(f"{gate}.waiting").exists(), timeout=60)
+    refused = sa.select(sa.func.count()).where(route_log.c.code == "circuit_open")
+    wait_until(lambda: db.read(lambda conn: conn.execute(refused).scalar()), timeout=60)
+    gate.touch()
     wait_until(lambda: set(statuses(db, ids).values()) == {"done"}, timeout=90)
     stop(procs)
     after = journal(calls)[failed_calls:]

@@ -158,13 +158,14 @@ def test_sigterm_lets_a_short_call_finish(
 
 
 def test_sigterm_releases_a_call_that_outlives_the_grace(
-    db_url: str, queue: TaskQueue, spawn: Spawn
+    db_url: str, queue: TaskQueue, spawn: Spawn, tmp_path: Path
 ) -> None:
+    never = tmp_path / "never-created"  # the call lasts until the worker gives it up
     (task_id,) = enqueue(
-        queue, "codex", {"simulate": {"sim/a": {"latency_ms": 60_000}}}, models=("sim/a",)
+        queue, "codex", {"simulate": {"sim/a": {"wait_for": str(never)}}}, models=("sim/a",)
     )
     proc = spawn("worker", "--agent", "codex", "--db", db_url, "--grace", "0.3", "--log-json")
-    wait_until(lambda: queue.get(task_id).status == "claimed")
+    wait_until(lambda: Path(f"{never}.waiting").exists())  # the call is running
     proc.signal(signal.SIGTERM)
     assert proc.wait(timeout=15) == 0
     task = queue.get(task_id)
