@@ -13,7 +13,6 @@ import dataclasses
 import math
 import os
 import time
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +23,13 @@ from agentbus.catalog import Catalog, parse_catalog
 from agentbus.catalog.parse import SECTIONS
 from agentbus.errors import ConfigError
 from agentbus.logging import get_logger
+from agentbus.tomlfile import DEFAULT_CONFIG_MAX_BYTES, read_toml
 
 log = get_logger("agentbus.config")
 
 ENV_PREFIX = "AGENTBUS_"
 DEFAULT_DATABASE_URL = "sqlite:///ops_multiagent.db"
 DEFAULT_CONFIG_FILE = "agentbus.toml"
-DEFAULT_CONFIG_MAX_BYTES = 1_048_576
 BUDGET_MODES = ("off", "warn", "enforce")
 
 
@@ -447,37 +446,6 @@ def load_config(
     settings = Settings.from_doc(doc, path, overrides, env)
     masking.register_config(catalog, env, settings.database_url)
     return Config(settings, catalog, path, overrides, environ)
-
-
-def read_toml(path: Path, max_bytes: int = DEFAULT_CONFIG_MAX_BYTES) -> dict[str, Any]:
-    """Parse a TOML config file, turning every problem into one ConfigError line.
-
-    Only a regular file is read, and no more of it than ``max_bytes`` (a device
-    such as /dev/zero, or a huge file, is refused before it costs memory).
-    """
-    try:
-        if not path.is_file():
-            if not path.exists():
-                raise ConfigError(f"config file {path} does not exist")
-            raise ConfigError(f"config file {path} is not a regular file")
-        with path.open("rb") as fh:
-            data = fh.read(max_bytes + 1)
-        if len(data) > max_bytes:
-            raise ConfigError(
-                f"config file {path} is larger than {max_bytes:,} bytes "
-                "(setting config_max_bytes, read from the environment only)"
-            )
-        return tomllib.loads(data.decode("utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"config file {path} is not UTF-8 text (byte {exc.start}): is it a config file?"
-        ) from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    except RecursionError:
-        raise ConfigError(f"config file {path} nests tables or arrays too deeply") from None
 
 
 def _scalars(doc: Mapping[str, Any]) -> dict[str, Any]:

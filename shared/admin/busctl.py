@@ -6,7 +6,6 @@ import dataclasses
 import json
 import threading
 import time
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,41 +14,17 @@ import click
 
 from agentbus import cli
 from agentbus.admin import render
-from agentbus.config import Settings, load_config
+from agentbus.admin.budget_cli import budget_group
+from agentbus.admin.context import Context, pass_ctx
+from agentbus.config import load_config
 from agentbus.errors import BusError
 from agentbus.queue.states import TaskStatus
 
 if TYPE_CHECKING:
-    from agentbus.db import Database
-    from agentbus.queue import TaskQueue
+    pass
 
 # Each command imports what it uses (SQLAlchemy, the queue, prometheus-client…)
 # when it runs, so that `busctl --help` and `busctl enqueue` start quickly.
-
-
-@dataclass
-class Context:
-    settings: Settings
-    _db: Database | None = field(default=None, init=False)
-
-    def database(self, *, migrated: bool = True) -> Database:
-        from agentbus.db import Database
-
-        if self._db is None:
-            self._db = Database.from_settings(self.settings)
-            if migrated:
-                self._db.require_migrated()
-            else:
-                self._db.check_connection()
-        return self._db
-
-    def queue(self) -> TaskQueue:
-        from agentbus.queue import TaskQueue
-
-        return TaskQueue(self.database(), **self.settings.queue_options())
-
-
-pass_ctx = click.make_pass_decorator(Context)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -141,50 +116,7 @@ def status_cmd(c: Context, as_json: bool) -> None:
     click.echo(render.status(doc, c.settings))
 
 
-@busctl.group("budget")
-def budget_group() -> None:
-    """The workspace's client budget: its mode and size, shared by every process."""
-
-
-@budget_group.command("show")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@pass_ctx
-def budget_show_cmd(c: Context, as_json: bool) -> None:
-    """The mode and size every worker and busctl serve apply, and what is reserved."""
-    from agentbus.admission.budget import WorkspaceBudget
-
-    snap = WorkspaceBudget(c.database(), holder="busctl").snapshot()
-    if as_json:
-        click.echo(json.dumps(snap, indent=2))
-        return
-    size = snap["budget"] or 0
-    when = (
-        f"set {cli.fmt_time(snap['set_at'])} by {snap['set_by']}" if snap["set_at"] else "never set"
-    )
-    click.echo(f"mode: {snap['mode']}\nsize: {size}\n{when}")
-    if snap["mode"] != "off":
-        names = ", ".join(snap["reserved"]) or "none"
-        click.echo(f"reserved: {snap['count']} ({names})")
-
-
-@budget_group.command("set")
-@click.option("--mode", type=click.Choice(["off", "warn", "enforce"]), help="off, warn or enforce.")
-@click.option("--size", type=click.IntRange(min=0), metavar="N", help="Client slots at once.")
-@pass_ctx
-def budget_set_cmd(c: Context, mode: str | None, size: int | None) -> None:
-    """Change the workspace's client budget; running processes apply it within a second."""
-    import socket
-
-    from agentbus.admission.budget import write_setting
-    from agentbus.logging import configure
-
-    if mode is None and size is None:
-        raise click.UsageError("give --mode, --size or both")
-    configure(level="WARNING")  # the answer is the line below (and a budget_set event)
-    before, after = write_setting(
-        c.database(), mode=mode, size=size, by=f"busctl@{socket.gethostname()}"
-    )
-    click.echo(f"client budget: {after.describe()} (was {before.describe()})")
+busctl.add_command(budget_group)
 
 
 @busctl.command("events")

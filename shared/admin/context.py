@@ -1,0 +1,41 @@
+"""What every busctl command gets: the settings, and the database opened on first use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import click
+
+from agentbus.config import Settings
+
+if TYPE_CHECKING:
+    from agentbus.db import Database
+    from agentbus.queue import TaskQueue
+
+
+@dataclass
+class Context:
+    """One busctl run: its settings, and its database (opened when a command asks)."""
+
+    settings: Settings
+    _db: Database | None = field(default=None, init=False)
+
+    def database(self, *, migrated: bool = True) -> Database:
+        from agentbus.db import Database
+
+        if self._db is None:
+            self._db = Database.from_settings(self.settings)
+            if migrated:
+                self._db.require_migrated()
+            else:
+                self._db.check_connection()
+        return self._db
+
+    def queue(self) -> TaskQueue:
+        from agentbus.queue import TaskQueue
+
+        return TaskQueue(self.database(), **self.settings.queue_options())
+
+
+pass_ctx = click.make_pass_decorator(Context)
