@@ -45,7 +45,6 @@ the exact workload. Our figure is printed as a ratio to each.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -53,7 +52,6 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from multiprocessing.synchronize import Event
 from pathlib import Path
@@ -62,14 +60,13 @@ import compare
 import psycopg
 import sqlalchemy as sa
 import startup
+from admission_bench import bench_admission, bench_fleet_admission
+from processes import together
 
-from agentbus.admission.admission import Admission, Permit
 from agentbus.admission.cooldowns import CooldownStore
-from agentbus.catalog import Catalog
-from agentbus.config import Config, LiveConfig, Settings, load_config
+from agentbus.config import LiveConfig, Settings
 from agentbus.db import Database, migrate
 from agentbus.logging import configure
-from agentbus.providers.outcomes import Succeeded
 from agentbus.queue import Settlement, TaskQueue, reads
 from agentbus.queue.decisions import Complete
 from agentbus.queue.tasks import TaskSpec
@@ -142,20 +139,7 @@ def throughput(url: str, synchronous: str, processes: int, batch: int, tasks: in
     for start in range(0, tasks, 500):
         queue.enqueue_many([spec(i, agent) for i in range(start, min(tasks, start + 500))])
     db.dispose()
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager, ProcessPoolExecutor(processes, mp_context=ctx) as pool:
-        readies = [manager.Event() for _ in range(processes)]
-        go = manager.Event()
-        futures = [
-            pool.submit(drain, url, synchronous, agent, batch, readies[i], go)
-            for i in range(processes)
-        ]
-        for ready in readies:
-            ready.wait()
-        began = time.perf_counter()
-        go.set()
-        done = sum(f.result() for f in futures)
-        elapsed = time.perf_counter() - began
+    done, elapsed = together(processes, drain, lambda n: (url, synchronous, agent, batch))
     assert done == tasks, (done, tasks)
     return tasks / elapsed
 
@@ -394,122 +378,6 @@ def _rss_kib(pid: int) -> int:
     except OSError:
         pass
     return 0
-
-
-ALL_GATES = """
-global_concurrency = 1000
-daily_token_budget = 1000000000000
-daily_cost_budget = 1000000
-[bulkheads]
-heavy = 1000
-[providers.sim]
-kind = "simulated"
-concurrency = 1000
-rpm = 1000000
-[providers.sim.accounts.a]
-key_env = "BENCH_KEY"
-[models."sim/gated"]
-provider = "sim"
-bulkhead = "heavy"
-[agents.bench]
-models = ["sim/gated"]
-rate = 1000000
-"""
-
-
-def fleet_config(providers: int, global_limit: int) -> str:
-    """Every gate on each of ``providers`` providers: concurrency, rpm, a circuit, a
-    bulkhead of its own; per-agent rates; daily budgets; a global limit if given."""
-    text = f"global_concurrency = {global_limit}\ndaily_token_budget = 1000000000000\n"
-    text += "daily_cost_budget = 1000000\n[bulkheads]\n"
-    text += "".join(f"heavy{p} = 1000\n" for p in range(providers))
-    for p in range(providers):
-        text += (
-            f'[providers.p{p}]\nkind = "simulated"\nconcurrency = 1000\nrpm = 100000000\n'
-            f'[models."p{p}/m"]\nprovider = "p{p}"\nbulkhead = "heavy{p}"\n'
-        )
-    for a in range(8):
-        text += f'[agents.a{a}]\nmodels = ["p0/m"]\nrate = 100000000\n'
-    return text
-
-
-def admit_loop(url: str, config_text: str, n: int, calls: int, ready: Event, go: Event) -> int:
-    """One process of the fleet: admit and finish ``calls`` times (agent a<n>, provider
-    p<n mod providers>)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "agentbus.toml"
-        path.write_text(config_text)
-        config = load_config(path, environ={})
-    db = Database(url)
-    adm = Admission(db, config, worker=f"f{n}", cooldowns=CooldownStore(db), environ={})
-    providers = sum(1 for name in config.catalog.providers if name.startswith("p"))
-    model = f"p{n % providers}/m"
-    (candidate,) = adm.resolve(models=(model,), role=None, agent=f"a{n}").candidates
-    adm.finish(adm.admit(candidate, agent=f"a{n}", task_id=1, lease_sec=60), Succeeded("ok"))  # type: ignore[arg-type]
-    ready.set()
-    go.wait()
-    for _ in range(calls):
-        permit = adm.admit(candidate, agent=f"a{n}", task_id=1, lease_sec=60)
-        assert isinstance(permit, Permit), permit
-        adm.finish(permit, Succeeded("ok"))
-    db.dispose()
-    return calls
-
-
-def bench_fleet_admission(url: str, calls: int = 300) -> list[tuple[str, str]]:
-    """Limited admissions per second across 8 processes (admit + finish, every gate)."""
-    rows = []
-    ctx = mp.get_context("spawn")
-    for providers, global_limit in ((1, 0), (4, 0), (4, 100000)):
-        text = fleet_config(providers, global_limit)
-        with ctx.Manager() as manager, ProcessPoolExecutor(8, mp_context=ctx) as pool:
-            readies = [manager.Event() for _ in range(8)]
-            go = manager.Event()
-            futures = [
-                pool.submit(admit_loop, url, text, n, calls, readies[n], go) for n in range(8)
-            ]
-            for ready in readies:
-                ready.wait()
-            began = time.perf_counter()
-            go.set()
-            done = sum(f.result() for f in futures)
-            elapsed = time.perf_counter() - began
-        scope = f"{providers} provider{'s' if providers > 1 else ''}"
-        scope += ", a global limit too" if global_limit else ""
-        rows.append((f"limited admissions, 8 processes, {scope}", f"{done / elapsed:,.0f} /s"))
-    return rows
-
-
-def bench_admission(db: Database, calls: int) -> list[tuple[str, str]]:
-    """Admission per call: every gate configured (one transaction), and none (no I/O)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "agentbus.toml"
-        path.write_text(ALL_GATES)
-        config = load_config(path, environ={})
-    env = {"BENCH_KEY": "k"}
-    unlimited = Config(Settings(), Catalog(), None)
-    rows = []
-    for label, model, cfg in (
-        ("every gate", "sim/gated", config),
-        ("no limit configured", "sim/free", unlimited),
-    ):
-        cooldowns = CooldownStore(db)
-        adm = Admission(db, cfg, worker="bench", cooldowns=cooldowns, environ=env)
-        (candidate,) = adm.resolve(models=(model,), role=None, agent="bench").candidates
-        admit_s = finish_s = 0.0
-        for _ in range(calls):
-            started = time.perf_counter()
-            permit = adm.admit(candidate, agent="bench", task_id=1, lease_sec=60)
-            admitted = time.perf_counter()
-            assert isinstance(permit, Permit), permit
-            adm.finish(permit, Succeeded("ok"))
-            admit_s += admitted - started
-            finish_s += time.perf_counter() - admitted
-        rows.append((f"admission decision, {label}", f"{admit_s / calls * 1e6:,.0f} µs"))
-        rows.append(
-            (f"admission release + circuit count, {label}", f"{finish_s / calls * 1e6:,.0f} µs")
-        )
-    return rows
 
 
 def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:

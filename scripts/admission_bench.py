@@ -1,0 +1,121 @@
+"""Admission figures for scripts/bench.py: one process asking with every gate configured
+and with none, and a fleet of 8 processes admitting at once (limits on 1 or 4 providers)."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from multiprocessing.synchronize import Event
+from pathlib import Path
+
+from processes import together
+
+from agentbus.admission.admission import Admission, Permit
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.catalog import Catalog
+from agentbus.config import Config, Settings, load_config
+from agentbus.db import Database
+from agentbus.providers.outcomes import Succeeded
+
+ALL_GATES = """
+global_concurrency = 1000
+daily_token_budget = 1000000000000
+daily_cost_budget = 1000000
+[bulkheads]
+heavy = 1000
+[providers.sim]
+kind = "simulated"
+concurrency = 1000
+rpm = 1000000
+[providers.sim.accounts.a]
+key_env = "BENCH_KEY"
+[models."sim/gated"]
+provider = "sim"
+bulkhead = "heavy"
+[agents.bench]
+models = ["sim/gated"]
+rate = 1000000
+"""
+
+
+def fleet_config(providers: int, global_limit: int) -> str:
+    """Every gate on each of ``providers`` providers: concurrency, rpm, a circuit, a
+    bulkhead of its own; per-agent rates; daily budgets; a global limit if given."""
+    text = f"global_concurrency = {global_limit}\ndaily_token_budget = 1000000000000\n"
+    text += "daily_cost_budget = 1000000\n[bulkheads]\n"
+    text += "".join(f"heavy{p} = 1000\n" for p in range(providers))
+    for p in range(providers):
+        text += (
+            f'[providers.p{p}]\nkind = "simulated"\nconcurrency = 1000\nrpm = 100000000\n'
+            f'[models."p{p}/m"]\nprovider = "p{p}"\nbulkhead = "heavy{p}"\n'
+        )
+    for a in range(8):
+        text += f'[agents.a{a}]\nmodels = ["p0/m"]\nrate = 100000000\n'
+    return text
+
+
+def admit_loop(url: str, config_text: str, n: int, calls: int, ready: Event, go: Event) -> int:
+    """One process of the fleet: admit and finish ``calls`` times (agent a<n>, provider
+    p<n mod providers>)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "agentbus.toml"
+        path.write_text(config_text)
+        config = load_config(path, environ={})
+    db = Database(url)
+    adm = Admission(db, config, worker=f"f{n}", cooldowns=CooldownStore(db), environ={})
+    providers = sum(1 for name in config.catalog.providers if name.startswith("p"))
+    model = f"p{n % providers}/m"
+    (candidate,) = adm.resolve(models=(model,), role=None, agent=f"a{n}").candidates
+    adm.finish(adm.admit(candidate, agent=f"a{n}", task_id=1, lease_sec=60), Succeeded("ok"))  # type: ignore[arg-type]
+    ready.set()
+    go.wait()
+    for _ in range(calls):
+        permit = adm.admit(candidate, agent=f"a{n}", task_id=1, lease_sec=60)
+        assert isinstance(permit, Permit), permit
+        adm.finish(permit, Succeeded("ok"))
+    db.dispose()
+    return calls
+
+
+def bench_fleet_admission(url: str, calls: int = 300) -> list[tuple[str, str]]:
+    """Limited admissions per second across 8 processes (admit + finish, every gate)."""
+    rows = []
+    for providers, global_limit in ((1, 0), (4, 0), (4, 100000)):
+        text = fleet_config(providers, global_limit)
+        done, elapsed = together(8, admit_loop, lambda n, text=text: (url, text, n, calls))
+        scope = f"{providers} provider{'s' if providers > 1 else ''}"
+        scope += ", a global limit too" if global_limit else ""
+        rows.append((f"limited admissions, 8 processes, {scope}", f"{done / elapsed:,.0f} /s"))
+    return rows
+
+
+def bench_admission(db: Database, calls: int) -> list[tuple[str, str]]:
+    """Admission per call: every gate configured (one transaction), and none (no I/O)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "agentbus.toml"
+        path.write_text(ALL_GATES)
+        config = load_config(path, environ={})
+    env = {"BENCH_KEY": "k"}
+    unlimited = Config(Settings(), Catalog(), None)
+    rows = []
+    for label, model, cfg in (
+        ("every gate", "sim/gated", config),
+        ("no limit configured", "sim/free", unlimited),
+    ):
+        cooldowns = CooldownStore(db)
+        adm = Admission(db, cfg, worker="bench", cooldowns=cooldowns, environ=env)
+        (candidate,) = adm.resolve(models=(model,), role=None, agent="bench").candidates
+        admit_s = finish_s = 0.0
+        for _ in range(calls):
+            started = time.perf_counter()
+            permit = adm.admit(candidate, agent="bench", task_id=1, lease_sec=60)
+            admitted = time.perf_counter()
+            assert isinstance(permit, Permit), permit
+            adm.finish(permit, Succeeded("ok"))
+            admit_s += admitted - started
+            finish_s += time.perf_counter() - admitted
+        rows.append((f"admission decision, {label}", f"{admit_s / calls * 1e6:,.0f} µs"))
+        rows.append(
+            (f"admission release + circuit count, {label}", f"{finish_s / calls * 1e6:,.0f} µs")
+        )
+    return rows
