@@ -87,7 +87,6 @@ class Worker:
         self._running: Task | None = None  # the task whose call the main thread is in
         self._held: list[Task] = []  # claimed by us and not yet settled in the database
         self._acks: list[Settlement] = []  # done, to acknowledge with the next claim
-        self._done: dict[int, tuple[str | None, int]] = {}  # their model and calls (the log)
         self._stop_reason: str | None = None
         self._stop_logged = False
         self._taken_over: set[int] = set()  # claims the watchdog found lost (ids)
@@ -311,7 +310,6 @@ class Worker:
             # Acknowledged in the transaction of the next claim (the lease stays renewed
             # meanwhile): one commit per task, or per batch.
             self._acks.append(item)
-            self._done[task.id] = (d.model, run.calls)
             return
         self._forget(task)
         if not self._settle_now(task, item):
@@ -354,9 +352,10 @@ class Worker:
         for ack in acks:
             self._forget_id(ack.task_id)
         done = [ack.task_id for ack in acks if ack.task_id not in lost]
-        info = {ack.task_id: self._done.pop(ack.task_id, (None, 0)) for ack in acks}
         if len(done) == 1:
-            model, calls = info[done[0]]
+            (ack,) = [a for a in acks if a.task_id == done[0]]
+            model = ack.decision.model if isinstance(ack.decision, Complete) else None
+            calls = sum(1 for route in ack.routes if route.decision == "call")
             self.log.info("task_done", task_id=done[0], model=model, calls=calls)
         elif done:  # one line per batch: short tasks at full speed must not flood the log
             self.log.info("batch_done", tasks=len(done), task_ids=done)

@@ -92,13 +92,11 @@ class Runner:
     def _walk(self, task: Task, candidates: tuple[Candidate, ...], refused: list[str]) -> Run:
         run = Run(Fail("unreachable"))
         blocked: dict[str, float] = {}
-        codes: dict[str, str] = {}
         for candidate in candidates:
             started = self.clock()
             answer = self.admission.admit(candidate, agent=task.agent, task_id=task.id)
             if isinstance(answer, Refusal):
                 blocked[candidate.key] = answer.retry_after
-                codes[candidate.key] = answer.code.value
                 run.refusals[candidate.key] = answer.as_dict(started)
                 cooling = answer.code is Code.COOLDOWN
                 if cooling:
@@ -175,6 +173,7 @@ class Runner:
                         outcome, task.attempts, task.max_attempts, self.clock(), self.settings
                     )
                     return run
+        codes = {key: refusal["name"] for key, refusal in run.refusals.items()}
         run.decision = policy.when_no_candidate_left(blocked, refused, codes)
         return run
 
