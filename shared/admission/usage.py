@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 
 def record(conn: Connection, routes: Iterable[Route]) -> None:
     """Add the calls among ``routes`` to the ledger."""
+    batch = rows(routes)
+    if batch:
+        conn.execute(upsert(conn.dialect.name), batch)
+
+
+def rows(routes: Iterable[Route]) -> list[dict[str, Any]]:
+    """The ledger rows to add for the calls among ``routes`` (parameters of ``upsert``)."""
     sums: dict[tuple[float, str, str, str], list[Any]] = {}
     for r in routes:
         if r.decision != "call" or r.provider is None:
@@ -33,38 +40,39 @@ def record(conn: Connection, routes: Iterable[Route]) -> None:
         row[2] += r.prompt_tokens or 0
         row[3] += r.completion_tokens or 0
         row[4] += r.cost or 0.0
-    if not sums:
-        return
-    conn.execute(
-        _upsert(conn.dialect.name),
-        [
-            {
-                "day": day,
-                "model": model,
-                "account": account,
-                "worker": worker,
-                "provider": provider,
-                "calls": calls,
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "cost": cost,
-            }
-            for (day, model, account, worker), (
-                provider,
-                calls,
-                prompt,
-                completion,
-                cost,
-            ) in sorted(sums.items())
-        ],
-    )
+    return [
+        {
+            "day": day,
+            "model": model,
+            "account": account,
+            "worker": worker,
+            "provider": provider,
+            "calls": calls,
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "cost": cost,
+        }
+        for (day, model, account, worker), (provider, calls, prompt, completion, cost) in sorted(
+            sums.items()
+        )
+    ]
 
 
 @functools.cache
-def _upsert(dialect: str) -> sa.Insert:
+def upsert(dialect: str) -> sa.Insert:
     """Add to a ledger row, creating it (built once: it runs with every settle)."""
     insert = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(u)
-    return insert.on_conflict_do_update(
+    return _adding(insert)
+
+
+def upsert_from(select: sa.Select[Any]) -> sa.Insert:
+    """PostgreSQL: add the rows ``select`` yields (the ledger's columns in order, one
+    row per key) to the ledger."""
+    return _adding(postgresql.insert(u).from_select([c.name for c in u.c], select))
+
+
+def _adding(insert: Any) -> sa.Insert:
+    added: sa.Insert = insert.on_conflict_do_update(
         index_elements=[u.c.day, u.c.model, u.c.account, u.c.worker],
         set_={
             "calls": u.c.calls + insert.excluded.calls,
@@ -73,6 +81,7 @@ def _upsert(dialect: str) -> sa.Insert:
             "cost": u.c.cost + insert.excluded.cost,
         },
     )
+    return added
 
 
 def today_columns(now: float) -> list[sa.ScalarSelect[Any]]:

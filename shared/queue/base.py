@@ -3,6 +3,7 @@ tasks, and the message of a guarded write that matched nothing."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
@@ -14,8 +15,9 @@ from sqlalchemy.engine import Connection
 from agentbus.db import Database
 from agentbus.errors import TransitionRejected
 from agentbus.queue import events, wakeups
-from agentbus.queue.statements import MOVE_MANY, claim_statement
+from agentbus.queue.statements import MOVE_MANY
 from agentbus.queue.states import TRANSITIONS, TaskStatus
+from agentbus.queue.steady import SteadyState
 from agentbus.queue.tasks import PayloadLimits
 from agentbus.schema import bus_commands as t
 from agentbus.schema import idempotency_keys
@@ -41,7 +43,6 @@ class QueueBase:
         self.clock = clock
         self.max_attempts = max_attempts
         self.payload_limits = payload_limits
-        self._claim = claim_statement(db.dialect)
         dialect_insert = postgresql.insert if db.dialect == "postgresql" else sqlite.insert
         self._insert_keyed = (
             dialect_insert(t).on_conflict_do_nothing(index_elements=["idempotency_key"])
@@ -49,6 +50,11 @@ class QueueBase:
         self._insert_key = dialect_insert(idempotency_keys).on_conflict_do_nothing(
             index_elements=["key"]
         )
+
+    @functools.cached_property
+    def _steady(self) -> SteadyState:
+        """Completions and claims, compiled at the first use (a producer never needs them)."""
+        return SteadyState(self.db)
 
     # -- the guarded writes --------------------------------------------------
 

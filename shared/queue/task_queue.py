@@ -30,7 +30,6 @@ from agentbus.queue import events, reads, wakeups
 from agentbus.queue.base import Clock, text_safe
 from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
 from agentbus.queue.statements import (
-    COMPLETE_MANY_POSTGRES,
     ENQUEUE_POSTGRES,
     HAS_DUE,
     HEARTBEAT,
@@ -139,62 +138,28 @@ class TaskQueue(SweepOps):
         return self.settle_and_claim((), agent, worker, lease_sec, limit)[1]
 
     def settle_and_claim(
-        self, items: Sequence[Settlement], agent: str, worker: str, lease_sec: float, limit: int
-    ) -> tuple[list[TransitionRejected], list[Task]]:
-        """Settle ``items`` (as ``settle_many``) and claim up to ``limit`` next tasks (as
-        ``claim``) in one transaction: a worker's steady state costs one commit per
-        claim. ``limit`` 0 only settles."""
-
-        def work(conn: Connection) -> tuple[list[TransitionRejected], list[sa.RowMapping]]:
-            # Keep the write transaction short (SQLite serializes writers on it):
-            # the rows become Task objects after the commit.
-            now = self.clock()
-            moves: list[dict[str, Any]] = []  # the event rows of both: one INSERT
-            lost = self._settle_in(conn, items, worker, now, moves) if items else []
-            rows = self._claim_in(conn, agent, worker, now, lease_sec, limit, moves)
-            events.record(conn, moves)
-            return lost, rows
-
-        if not items and limit <= 0:
-            return [], []
-        lost, rows = self.db.write(work)
-        tasks = [Task.from_row(row) for row in rows]
-        return lost, sorted(tasks, key=lambda task: (-task.priority, task.id))
-
-    def _claim_in(
         self,
-        conn: Connection,
+        items: Sequence[Settlement],
         agent: str,
-        worker: str,
-        now: float,
+        worker: str | None,
         lease_sec: float,
         limit: int,
-        moves: list[dict[str, Any]],
-    ) -> list[sa.RowMapping]:
-        """Claim in ``conn``; the claims' event rows are added to ``moves``."""
-        if limit <= 0:
-            return []
-        params = {
-            "p_agent": agent,
-            "p_worker": worker,
-            "p_now": now,
-            "p_lease_until": now + lease_sec,
-            "p_limit": limit,
-        }
-        rows = conn.execute(self._claim, params).mappings().all()
-        moves.extend(
-            events.event(
-                row["id"],
-                TaskStatus.QUEUED,
-                TaskStatus.CLAIMED,
-                now,
-                worker=worker,
-                claim_token=row["claim_token"],
-                reason="claim",
-            )
-            for row in rows
+    ) -> tuple[list[TransitionRejected], list[Task]]:
+        """Settle ``items`` (as ``settle_many``) and claim up to ``limit`` next tasks (as
+        ``claim``): a worker's steady state. Completions and the claim are one
+        transaction (``agentbus.queue.steady``: one statement on PostgreSQL), so a
+        worker pays one commit per claim. ``limit`` 0 only settles."""
+        acks = [i for i in items if isinstance(i.decision, Complete)]
+        others = [i for i in items if not isinstance(i.decision, Complete)]
+        lost = self._settle_others(others, worker) if others else []
+        if not acks and limit <= 0:
+            return lost, []
+        acked, rows = self._steady.run(
+            acks, agent=agent, worker=worker, now=self.clock(), lease_sec=lease_sec, limit=limit
         )
-        return list(rows)
+        lost += self._rejections([a for a in acks if a.task_id not in acked])
+        tasks = [Task.from_row(row) for row in rows]
+        return lost, sorted(tasks, key=lambda task: (-task.priority, task.id))
 
     def has_due(self, agent: str) -> bool:
         """Whether a task of ``agent`` is queued and due (a read: no write lock taken)."""
@@ -223,15 +188,20 @@ class TaskQueue(SweepOps):
     def settle_many(
         self, items: Sequence[Settlement], *, worker: str | None = None
     ) -> list[TransitionRejected]:
-        """Settle several claims in one transaction (a batch's acknowledgement).
+        """Settle several claims (a batch's acknowledgement): the completions in one
+        transaction, the other decisions in another.
 
         Each settlement whose guarded write matched no row (the claim was lost:
         its lease ran out and another claim owns the task, or someone moved it)
         changes nothing and comes back as a ``TransitionRejected`` saying where
         the task is; the others are settled with their events and routes.
-        Completions go in one statement (Postgres: one UPDATE over unnest()ed
-        arrays; SQLite: one executemany).
         """
+        return self.settle_and_claim(items, "", worker, 0, 0)[0]
+
+    def _settle_others(
+        self, items: Sequence[Settlement], worker: str | None
+    ) -> list[TransitionRejected]:
+        """Settle claims other than completions in one transaction."""
 
         def work(conn: Connection) -> list[TransitionRejected]:
             moves: list[dict[str, Any]] = []
@@ -239,7 +209,17 @@ class TaskQueue(SweepOps):
             events.record(conn, moves)
             return lost
 
-        return self.db.write(work) if items else []
+        return self.db.write(work)
+
+    def _rejections(self, items: Sequence[Settlement]) -> list[TransitionRejected]:
+        """Why each of these completions matched no row (read after the fact)."""
+        if not items:
+            return []
+
+        def work(conn: Connection) -> list[TransitionRejected]:
+            return [self._rejection(conn, i.task_id, "complete", i.token) for i in items]
+
+        return self.db.read(work)
 
     def _settle_in(
         self,
@@ -249,12 +229,10 @@ class TaskQueue(SweepOps):
         now: float,
         moves: list[dict[str, Any]],
     ) -> list[TransitionRejected]:
-        """Settle in ``conn``; the settled moves' event rows are added to ``moves``."""
-        completes = [i for i in items if isinstance(i.decision, Complete)]
-        settled = self._complete(conn, completes, now)
+        """Settle in ``conn`` (no completions: ``steady``); the settled moves' event rows
+        are added to ``moves``."""
+        settled: set[int] = set()
         for item in items:
-            if isinstance(item.decision, Complete):
-                continue
             action, params = settle_params(item.decision)
             full = {"p_id": item.task_id, "p_token": item.token, "p_now": now, **params}
             if conn.execute(SETTLE[action], text_safe(full)).rowcount == 1:
@@ -267,43 +245,6 @@ class TaskQueue(SweepOps):
             for i in items
             if i.task_id not in settled
         ]
-
-    def _complete(self, conn: Connection, items: list[Settlement], now: float) -> set[int]:
-        """Complete claims in one statement; returns the ids whose claim held."""
-        if not items:
-            return set()
-        rows = [(i.task_id, i.token, settle_params(i.decision)[1]) for i in items]
-        if self.db.dialect == "postgresql":
-            params = {
-                "p_ids": [task_id for task_id, _, _ in rows],
-                "p_tokens": [token for _, token, _ in rows],
-                "p_results": [events.storable(p["p_result"]) for _, _, p in rows],
-                "p_notes": [events.storable(p["p_note"]) for _, _, p in rows],
-                "p_now": now,
-            }
-            return set(conn.execute(COMPLETE_MANY_POSTGRES, params).scalars())
-        batch = [
-            {"p_id": task_id, "p_token": token, "p_now": now, **text_safe(p)}
-            for task_id, token, p in rows
-        ]
-        if len(batch) == 1:  # one claim: the guarded UPDATE's row count says it all
-            moved = conn.execute(SETTLE["complete"], batch[0]).rowcount == 1
-            return {items[0].task_id} if moved else set()
-        # SQLite: this transaction holds the write lock (BEGIN IMMEDIATE), so the claims
-        # still held now are exactly those the guarded executemany completes.
-        tokens = {i.task_id: i.token for i in items}
-        held = {
-            task_id
-            for task_id, token in conn.execute(
-                sa.select(t.c.id, t.c.claim_token).where(
-                    t.c.id.in_(list(tokens)), t.c.status == TaskStatus.CLAIMED
-                )
-            )
-            if tokens[task_id] == token
-        }
-        if held:
-            conn.execute(SETTLE["complete"], [b for b in batch if b["p_id"] in held])
-        return held
 
     # Named shorthands of ``settle`` (tests, scripts, operators): each raises
     # TransitionRejected when the claim was lost.

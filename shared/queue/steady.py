@@ -1,0 +1,210 @@
+"""A worker's steady state: acknowledge completed claims and claim the next tasks, in
+one transaction, with as few round trips and as little Python as each database allows.
+
+PostgreSQL runs it as one statement (data-modifying CTEs) in autocommit: one
+round trip per claim. The statement completes the acknowledged claims (each
+guarded by its claim token), appends their events, routing rows and usage for
+exactly the claims that held, claims up to ``p_limit`` due tasks with
+``FOR UPDATE SKIP LOCKED`` and appends the claim events. SQLite has no
+data-modifying CTEs: the same steps run as separate statements on the driver's
+cursor inside one ``BEGIN IMMEDIATE`` transaction.
+
+Either way the statements are the ones ``agentbus.queue.statements`` builds,
+compiled once (``agentbus.db.Prepared``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Connection
+
+from agentbus.admission import usage
+from agentbus.admission.gates import day_of
+from agentbus.db import Database, Prepared
+from agentbus.queue import events
+from agentbus.queue.decisions import Complete, Settlement
+from agentbus.queue.statements import (
+    COMPLETE_MANY_POSTGRES,
+    P_NOW,
+    P_WORKER,
+    SETTLE,
+    claim_statement,
+    settle_params,
+)
+from agentbus.queue.states import TaskStatus
+from agentbus.schema import route_log, task_events
+
+QUEUED, CLAIMED = TaskStatus.QUEUED.value, TaskStatus.CLAIMED.value
+
+
+def _insert(table: sa.Table) -> sa.Insert:
+    """INSERT of every column but the key, one bind parameter per column."""
+    columns = [c for c in table.c if c.name != "id"]
+    return sa.insert(table).values({c.name: sa.bindparam(c.name, type_=c.type) for c in columns})
+
+
+def _recordset(name: str, table: sa.Table, extra: Sequence[sa.ColumnClause[Any]] = ()) -> Any:
+    """``jsonb_to_recordset(:p_<name>) AS <name>(column type, …)``: the rows of ``table``
+    (without its key) passed as one JSON array."""
+    columns = [sa.column(c.name, c.type) for c in table.c if c.name != "id"]
+    return (
+        sa.func.jsonb_to_recordset(sa.bindparam(f"p_{name}", type_=postgresql.JSONB))
+        .table_valued(*columns, *extra)
+        .render_derived(name=name, with_types=True)
+    )
+
+
+def ack_and_claim_postgres() -> sa.Select[Any]:
+    """PostgreSQL: the steady state in one statement.
+
+    Parameters: those of ``COMPLETE_MANY_POSTGRES`` and of the claim, ``p_events``
+    (the settlement events), ``p_routes`` (routing rows, each with its ``day``) as
+    JSON arrays. Returns one row per claimed task (all its columns) and, in column
+    ``acked`` of every row, the ids whose completion held; at least one row.
+    """
+    acked = COMPLETE_MANY_POSTGRES.cte("acked")
+    held = sa.select(acked.c.id)
+    claimed = claim_statement("postgresql").cte("claimed")
+    ev = _recordset("events", task_events)
+    event_columns = [c.name for c in task_events.c if c.name != "id"]
+    settle_events = sa.select(*(ev.c[n] for n in event_columns)).where(ev.c.task_id.in_(held))
+    claim_events = sa.select(
+        claimed.c.id,
+        sa.literal(QUEUED, sa.Text),
+        sa.literal(CLAIMED, sa.Text),
+        sa.literal("claim", sa.Text),
+        P_WORKER,
+        claimed.c.claim_token,
+        P_NOW,
+        sa.null(),
+    )
+    write_events = (
+        sa.insert(task_events)
+        .from_select(event_columns, sa.union_all(settle_events, claim_events))
+        .cte("write_events")
+    )
+    rt = _recordset("routes", route_log, [sa.column("day", sa.Float)])
+    route_columns = [c.name for c in route_log.c if c.name != "id"]
+    done_routes = rt.c.task_id.in_(held)
+    write_routes = (
+        sa.insert(route_log)
+        .from_select(route_columns, sa.select(*(rt.c[n] for n in route_columns)).where(done_routes))
+        .cte("write_routes")
+    )
+    account = sa.func.coalesce(rt.c.account, "")
+    by = sa.func.coalesce(rt.c.worker, "")
+    write_usage = usage.upsert_from(
+        sa.select(
+            rt.c.day,
+            rt.c.model,
+            account,
+            by,
+            sa.func.min(rt.c.provider),
+            sa.func.count(),
+            sa.func.sum(sa.func.coalesce(rt.c.prompt_tokens, 0)),
+            sa.func.sum(sa.func.coalesce(rt.c.completion_tokens, 0)),
+            sa.func.sum(sa.func.coalesce(rt.c.cost, 0.0)),
+        )
+        .where(done_routes, rt.c.decision == "call", rt.c.provider.is_not(None))
+        .group_by(rt.c.day, rt.c.model, account, by)
+    ).cte("write_usage")
+    one = sa.select(sa.literal(1).label("one")).subquery("one")
+    acked_ids = sa.select(sa.func.array_agg(acked.c.id)).scalar_subquery().label("acked")
+    return (
+        sa.select(acked_ids, *claimed.c)
+        .select_from(one.outerjoin(claimed, sa.true()))
+        .add_cte(write_events, write_routes, write_usage)
+    )
+
+
+class SteadyState:
+    """``run``: settle completions and claim, compiled for one database."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        dialect = db.engine.dialect
+        self.postgres = db.dialect == "postgresql"
+        if self.postgres:
+            self._both = Prepared(ack_and_claim_postgres(), dialect)
+        else:
+            self._complete = Prepared(SETTLE["complete"], dialect)
+            self._claim = Prepared(claim_statement(db.dialect), dialect)
+            self._events = Prepared(_insert(task_events), dialect)
+            self._routes = Prepared(_insert(route_log), dialect)
+            self._usage = Prepared(usage.upsert(db.dialect), dialect)
+
+    def run(
+        self,
+        acks: Sequence[Settlement],
+        *,
+        agent: str,
+        worker: str | None,
+        now: float,
+        lease_sec: float,
+        limit: int,
+    ) -> tuple[set[int], list[dict[str, Any]]]:
+        """Complete ``acks`` (each ``decision`` a ``Complete``) and claim up to ``limit``
+        tasks of ``agent``: (the ids whose claim held, the claimed rows)."""
+        assert all(isinstance(a.decision, Complete) for a in acks)
+        claim = {
+            "p_agent": agent,
+            "p_worker": worker,
+            "p_now": now,
+            "p_lease_until": now + lease_sec,
+            "p_limit": max(limit, 0),
+        }
+        if self.postgres:
+            return self.db.write_one(lambda conn: self._postgres(conn, acks, claim))
+        return self.db.write(lambda conn: self._sqlite(conn, acks, claim))
+
+    def _postgres(
+        self, conn: Connection, acks: Sequence[Settlement], claim: dict[str, Any]
+    ) -> tuple[set[int], list[dict[str, Any]]]:
+        now, worker = claim["p_now"], claim["p_worker"]
+        results = [settle_params(a.decision)[1] for a in acks]
+        params = {
+            **claim,
+            "p_ids": [a.task_id for a in acks],
+            "p_tokens": [a.token for a in acks],
+            "p_results": [events.storable(r["p_result"]) for r in results],
+            "p_notes": [events.storable(r["p_note"]) for r in results],
+            "p_events": [events.for_settlement(a, worker, now) for a in acks],
+            "p_routes": [{**r.row(), "day": day_of(r.at)} for a in acks for r in a.routes],
+        }
+        rows = self._both.rows(self._both.execute(conn, params))
+        acked = set(rows[0]["acked"] or ())
+        return acked, [row for row in rows if row["id"] is not None]
+
+    def _sqlite(
+        self, conn: Connection, acks: Sequence[Settlement], claim: dict[str, Any]
+    ) -> tuple[set[int], list[dict[str, Any]]]:
+        now, worker = claim["p_now"], claim["p_worker"]
+        done = []
+        for a in acks:
+            params = {"p_id": a.task_id, "p_token": a.token, "p_now": now}
+            params.update((k, events.storable(v)) for k, v in settle_params(a.decision)[1].items())
+            if self._complete.execute(conn, params).rowcount == 1:
+                done.append(a)
+        rows = self._claim.rows(self._claim.execute(conn, claim)) if claim["p_limit"] else []
+        moves = [events.for_settlement(a, worker, now) for a in done]
+        moves.extend(
+            events.event(
+                row["id"],
+                QUEUED,
+                CLAIMED,
+                now,
+                worker=worker,
+                claim_token=row["claim_token"],
+                reason="claim",
+            )
+            for row in rows
+        )
+        self._events.execute_many(conn, moves)
+        routes = [r for a in done for r in a.routes]
+        self._routes.execute_many(conn, [r.row() for r in routes])
+        self._usage.execute_many(conn, usage.rows(routes))
+        return {a.task_id for a in done}, rows
