@@ -11,10 +11,14 @@ lost, serialization failure, server restarting).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import fcntl
 import importlib.util
+import os
 import sqlite3
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from importlib import resources
@@ -103,6 +107,10 @@ class Database:
             self.engine = _sqlite_engine(self.url, sqlite_busy_timeout_ms, sqlite_synchronous)
         else:
             self.engine = sa.create_engine(self.url, pool_size=pool_size, max_overflow=pool_size)
+        path = self.sqlite_path()
+        self._writers: contextlib.AbstractContextManager[None] = (
+            _WriterTurns(path) if path is not None else contextlib.nullcontext()
+        )
         if self.dialect == "postgresql":
             # A read is one statement or a report: autocommit spares BEGIN and COMMIT
             # (two of the three round trips of a lone SELECT).
@@ -124,7 +132,11 @@ class Database:
 
     def write(self, work: Callable[[Connection], T]) -> T:
         """Run ``work`` in one write transaction, retrying transient errors."""
-        return self._retrying(lambda: self._once(self.engine, work))
+        return self._retrying(lambda: self._write_once(work))
+
+    def _write_once(self, work: Callable[[Connection], T]) -> T:
+        with self._writers:
+            return self._once(self.engine, work)
 
     def write_one(self, work: Callable[[Connection], T]) -> T:
         """PostgreSQL: run ``work``, one statement, in autocommit, retrying transient
@@ -206,6 +218,43 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+class _WriterTurns:
+    """SQLite: the writers of one database file take turns through an ``flock`` on the
+    file ``<database>-writer`` beside it (as ``-wal`` and ``-shm`` are).
+
+    A writer waiting on SQLite's own lock polls with sleeps of 1, 2, 5, 10 … ms
+    (its busy handler), so two busy workers spend much of their time asleep while
+    the lock is free. Blocked on the ``flock``, a writer wakes the moment the other
+    one commits. Threads of one process take turns on a lock of their own first
+    (an ``flock`` is held per open file, not per thread). Writers that do not take
+    this turn (an operator's ``sqlite3`` shell) still meet SQLite's lock and the
+    busy timeout; where the file cannot be opened, SQLite's lock alone serializes.
+    """
+
+    def __init__(self, database: Path) -> None:
+        self._path = database.with_name(database.name + "-writer")
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        try:
+            if self._fd is None:
+                self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except OSError:  # no turns then: SQLite's lock still serializes
+            pass
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._fd is not None:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        except OSError:
+            pass
+        finally:
+            self._lock.release()
 
 
 class Prepared:

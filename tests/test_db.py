@@ -11,7 +11,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from agentbus.db import Database, is_transient, parse_url, redact
+from agentbus.db import Database, Prepared, is_transient, migrate, parse_url, redact
 from agentbus.errors import BusError
 from agentbus.queue import TaskQueue
 from agentbus.queue.tasks import TaskSpec
@@ -61,6 +61,34 @@ def test_postgres_connection_killed_between_calls_is_survived(backends: Backends
         ).fetchone()
     assert killed is not None and killed[0] >= 1
     assert queue.enqueue(spec()).id == 2
+    assert [task.id for task in queue.claim("codex", "w1", 60, limit=2)] == [1, 2]
+    db.dispose()
+    backends.drop(handle)
+
+
+def admin_kill(database: object) -> None:
+    with psycopg.connect(
+        sa.make_url(PG_URL).set(drivername="postgresql").render_as_string(False), autocommit=True
+    ) as admin:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = %s AND pid <> pg_backend_pid()",
+            (str(database),),
+        )
+
+
+def test_a_prepared_statement_on_a_lost_connection_is_a_transient_error(backends: Backends) -> None:
+    """The worker's prepared statements run on the driver's cursor: a lost connection
+    still comes out as SQLAlchemy's error, invalidated, which the retry knows."""
+    url, handle = backends.new("postgresql")
+    db = Database(url)
+    statement = Prepared(sa.select(sa.literal(1).label("one")), db.engine.dialect)
+    with db.engine.connect() as conn:
+        assert statement.rows(statement.execute(conn, {})) == [{"one": 1}]
+        admin_kill(handle)
+        with pytest.raises(sa.exc.DBAPIError) as raised:
+            statement.execute(conn, {})
+    assert raised.value.connection_invalidated and is_transient(raised.value)
     db.dispose()
     backends.drop(handle)
 
@@ -101,4 +129,31 @@ def test_sqlite_runs_in_wal_mode(tmp_path: Path) -> None:
     with db.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 5000
+    db.dispose()
+
+
+def test_sqlite_writers_take_turns_through_a_lock_file(tmp_path: Path) -> None:
+    """A write waits while another process holds the writers' turn, and goes on the
+    moment it is released (no sleep-and-retry of SQLite's busy handler)."""
+    import fcntl
+    import os
+
+    path = tmp_path / "x.db"
+    db = Database(f"sqlite:///{path}")
+    migrate(db)
+    queue = TaskQueue(db)
+    fd = os.open(f"{path}-writer", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another writer's turn
+    done = threading.Event()
+    writer = threading.Thread(target=lambda: (queue.enqueue(spec()), done.set()))
+    writer.start()
+    try:
+        assert not done.wait(0.3)  # held back by the turn, not by SQLite's lock
+        assert TaskQueue(db).has_due("codex") is False
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    writer.join(timeout=30)
+    assert done.is_set()
+    assert TaskQueue(db).has_due("codex") is True
     db.dispose()
