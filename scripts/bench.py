@@ -416,9 +416,17 @@ def main() -> None:
         default=10_000,
         help="tasks per run of the side-by-side comparison (0 skips it)",
     )
+    parser.add_argument(
+        "--compare-cycles", type=int, default=3, help="interleaved cycles (medians printed)"
+    )
+    parser.add_argument(
+        "--compare-only", action="store_true", help="only the side-by-side comparison"
+    )
     args = parser.parse_args()
     configure(level="WARNING")  # the figures, not the jobs' chatter
-
+    if args.compare_only:
+        print_table(compare.HEADERS, compare_rows(args))
+        return
     print_table(
         [f"command (start to exit, {args.startup_runs} runs)", "median", "max"],
         startup.bench(args.startup_runs),
@@ -435,21 +443,14 @@ def main() -> None:
     print_table(["backend", "measure", "figure"], rows)
     if args.compare_tasks:
         print()
-        print_table(
-            ["backend", "queue (2 processes, no-op tasks)", "tasks/s", "agentbus ="],
-            compare_rows(args),
-        )
+        print_table(compare.HEADERS, compare_rows(args))
 
 
 def compare_rows(args: argparse.Namespace) -> list[tuple[str, ...]]:
     """The same drain through other queues, when installed (pip install -e .[bench])."""
-    n, procs, sync = args.compare_tasks, 2, args.sqlite_synchronous
-
-    def ours(backend: str) -> dict[int, float]:
-        with database(backend, sync) as url:
-            return {batch: worker_drain(url, sync, procs, n, batch)[0] for batch in (1, 10)}
-
-    return compare.side_by_side(args.backends.split(","), n, procs, ours)
+    return compare.side_by_side(
+        args.backends.split(","), args.compare_tasks, 2, args.single, args.compare_cycles
+    )
 
 
 def print_table(headers: list[str], rows: list[tuple[str, ...]]) -> None:

@@ -1,19 +1,34 @@
-"""The same no-op workload through other Python queues, for scripts/bench.py.
+"""agentbus beside other Python queues: the same no-op workload, one sitting.
 
-Workload, identical for every queue: T no-op tasks are enqueued first (not
-timed); then P consumer processes are started and the clock runs from their
-spawn until every task has been processed (start-up included on all sides).
+Per queue, in each of ``cycles`` interleaved cycles (queue A, B, C, then A,
+B, C again …; the medians are printed):
+- drain: T no-op tasks are enqueued first (not timed); then P consumer
+  processes are started and the clock runs from their spawn until every task
+  is processed (start-up included on all sides).
+- CPU per task: user + system CPU of the consumer processes (and their
+  children), from the kernel's accounting of reaped children, over T.
+- RSS: the peak resident memory of one consumer process, sampled every 50 ms.
+- single enqueue: N enqueues, one call (one transaction) each.
+- batch enqueue: T tasks enqueued 500 per call, where the queue has such a call.
+
 Commits are durable on both sides: SQLite with synchronous=FULL (agentbus's
 default; huey's fsync=True), PostgreSQL with its defaults (fsync on,
-synchronous_commit on). Semantics differ and are stated with each figure:
-huey deletes a task when it dequeues it (a crash mid-task loses it); agentbus
-claims, then acknowledges (a crash re-runs it); procrastinate and pgqueuer
-mark jobs done after running them.
+synchronous_commit on). Semantics differ and are stated with each queue:
+huey deletes a task when it dequeues it (a crash mid-task loses it);
+agentbus claims, then acknowledges, and writes an event and a routing row for
+every transition; procrastinate, pgqueuer and oban mark jobs done after
+running them. oban requires Python 3.12: it runs from a virtualenv of its own
+made with ``python3.12`` (in ``~/.cache/agentbus-bench``) when that
+interpreter is on the PATH.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import resource
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,6 +37,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
@@ -30,11 +46,30 @@ import sqlalchemy as sa
 PG_URL = os.environ.get(
     "AGENTBUS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
+BIN = Path(sys.executable).parent
 
 
-def installed(module: str) -> bool:
+@dataclass(frozen=True)
+class Figures:
+    drain: float  # tasks/s
+    cpu_ms: float  # consumer CPU per task
+    rss_mib: float  # peak RSS of one consumer process
+    single: float | None = None  # enqueues/s, one per call
+    batch: float | None = None  # enqueues/s, 500 per call
+
+
+@dataclass(frozen=True)
+class Peer:
+    backend: str
+    label: str
+    cycle: Callable[[int, int, int], Figures]  # (tasks, processes, single enqueues)
+    missing: str | None = None  # why it cannot run here
+
+
+def installed(*modules: str) -> bool:
     try:
-        __import__(module)
+        for module in modules:
+            __import__(module)
     except ImportError:
         return False
     return True
@@ -60,31 +95,136 @@ def _module(workdir: Path, source: str) -> Path:
     return path
 
 
-def _timed_consumers(
-    argv: list[str], procs: int, cwd: Path, drained: Callable[[], bool] | None = None
-) -> float:
-    """Start ``procs`` consumers; seconds until they exit (or ``drained()``, then stop them)."""
+def _rss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _descendants(pid: int) -> list[int]:
+    found, stack = [], [pid]
+    while stack:
+        parent = stack.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as fh:
+                    kids = [int(k) for k in fh.read().split()]
+            except OSError:
+                kids = []
+            found += kids
+            stack += kids
+    return found
+
+
+def consume(
+    argv: list[str],
+    procs: int,
+    tasks: int,
+    *,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    drained: Callable[[], bool] | None = None,
+) -> Figures:
+    """Start ``procs`` consumers; time them until they exit (or until ``drained()``,
+    then stop them), with their CPU and one process's peak RSS."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     began = time.perf_counter()
     children = [
-        subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.Popen(
+            argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         for _ in range(procs)
     ]
+    peak_kib = 0
     try:
-        if drained is None:
+        while True:
             for child in children:
-                child.wait(timeout=600)
-        else:
-            while not drained():
-                time.sleep(0.01)
-        return time.perf_counter() - began
+                for pid in (child.pid, *_descendants(child.pid)):
+                    peak_kib = max(peak_kib, _rss_kib(pid))
+            if drained is None and all(c.poll() is not None for c in children):
+                break
+            if drained is not None and drained():
+                break
+            if any(c.poll() not in (None, 0) for c in children):
+                raise RuntimeError(f"a consumer failed: {argv}")
+            time.sleep(0.05)
+        seconds = time.perf_counter() - began
     finally:
         for child in children:
             if child.poll() is None:
                 child.terminate()
-                child.wait(timeout=30)
+            child.wait(timeout=60)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return Figures(tasks / seconds, cpu / tasks * 1000, peak_kib / 1024)
 
 
-def huey_sqlite(tasks: int, procs: int) -> float:
+def rate(n: int, work: Callable[[], object]) -> float:
+    began = time.perf_counter()
+    work()
+    return n / (time.perf_counter() - began)
+
+
+# -- agentbus ------------------------------------------------------------------
+
+
+def agentbus(backend: str, batch: int) -> Callable[[int, int, int], Figures]:
+    def cycle(tasks: int, procs: int, single: int) -> Figures:
+        from agentbus import AgentBus
+        from agentbus.db import Database, migrate
+        from agentbus.queue import TaskQueue
+        from agentbus.queue.tasks import TaskSpec
+
+        with _agentbus_database(backend) as url:
+            db = Database(url)
+            migrate(db)
+            agent = f"cmp{uuid.uuid4().hex[:6]}"
+            with AgentBus(url) as bus:
+                one = rate(
+                    single,
+                    lambda: [bus.enqueue(agent, "t", models=["sim/noop"]) for _ in range(single)],
+                )
+            queue = TaskQueue(db)
+            specs = [TaskSpec(agent=agent, command="t", models=("sim/noop",))] * 500
+            many = rate(tasks, lambda: [queue.enqueue_many(specs) for _ in range(tasks // 500)])
+            with db.engine.begin() as conn:  # the single enqueues are not part of the drain
+                conn.exec_driver_sql(
+                    "DELETE FROM bus_commands WHERE id <= ?"
+                    if backend == "sqlite"
+                    else "DELETE FROM bus_commands WHERE id <= %(n)s",
+                    (single,) if backend == "sqlite" else {"n": single},
+                )
+            db.dispose()
+            argv = [str(BIN / "worker"), "--agent", agent, "--db", url, "--drain"]
+            figures = consume([*argv, "--batch", str(batch)], procs, tasks)
+        return Figures(figures.drain, figures.cpu_ms, figures.rss_mib, one, many)
+
+    return cycle
+
+
+@contextmanager
+def _agentbus_database(backend: str) -> Iterator[str]:
+    if backend == "sqlite":
+        with tempfile.TemporaryDirectory() as tmp:
+            yield f"sqlite:///{tmp}/cmp.db"
+        return
+    with pg_database() as conninfo:
+        yield sa.make_url(conninfo).set(drivername="postgresql+psycopg").render_as_string(False)
+
+
+# -- huey (SQLite) ---------------------------------------------------------------
+
+
+def huey_sqlite(tasks: int, procs: int, single: int) -> Figures:
     """huey's SQLite storage, ``huey_consumer -k process -w P`` (fsync=True)."""
     workdir = Path(tempfile.mkdtemp(prefix="cmp-huey-"))
     mod = _module(
@@ -101,21 +241,28 @@ def huey_sqlite(tasks: int, procs: int) -> float:
     sys.path.insert(0, str(workdir))
     try:
         app = __import__(mod.stem)
+        one = rate(single, lambda: [app.noop() for _ in range(single)])
+        app.huey.flush()
         for _ in range(tasks):
             app.noop()
-        consumer = str(Path(sys.executable).with_name("huey_consumer"))
-        seconds = _timed_consumers(
-            [consumer, f"{mod.stem}.huey", "-k", "process", "-w", str(procs), "-d", "0.01"],
+        argv = [str(BIN / "huey_consumer"), f"{mod.stem}.huey", "-k", "process"]
+        figures = consume(
+            [*argv, "-w", str(procs), "-d", "0.01"],
             1,
-            workdir,
+            tasks,
+            cwd=workdir,
             drained=lambda: app.huey.pending_count() == 0,
         )
     finally:
         sys.path.remove(str(workdir))
-    return tasks / seconds
+        shutil.rmtree(workdir, ignore_errors=True)
+    return Figures(figures.drain, figures.cpu_ms, figures.rss_mib, one, None)
 
 
-def procrastinate_pg(tasks: int, procs: int) -> float:
+# -- procrastinate, pgqueuer, oban (PostgreSQL) ------------------------------------
+
+
+def procrastinate_pg(tasks: int, procs: int, single: int) -> Figures:
     """procrastinate with its psycopg connector, P ``run_worker(wait=False)`` processes."""
     workdir = Path(tempfile.mkdtemp(prefix="cmp-procrastinate-"))
     with pg_database() as conninfo:
@@ -139,34 +286,37 @@ def procrastinate_pg(tasks: int, procs: int) -> float:
             app = __import__(mod.stem)
             with app.app.open():
                 app.app.schema_manager.apply_schema()
-                for start in range(0, tasks, 500):
-                    app.noop.batch_defer(*({} for _ in range(min(500, tasks - start))))
-            seconds = _timed_consumers([sys.executable, str(mod)], procs, workdir)
+                one = rate(single, lambda: [app.noop.defer() for _ in range(single)])
+                _execute(conninfo, "DELETE FROM procrastinate_jobs")
+                batch = [{}] * 500
+                many = rate(
+                    tasks, lambda: [app.noop.batch_defer(*batch) for _ in range(tasks // 500)]
+                )
+            figures = consume([sys.executable, str(mod)], procs, tasks, cwd=workdir)
         finally:
             sys.path.remove(str(workdir))
+            shutil.rmtree(workdir, ignore_errors=True)
         _expect_zero(
             conninfo, "SELECT count(*) FROM procrastinate_jobs WHERE status <> 'succeeded'"
         )
-    return tasks / seconds
+    return Figures(figures.drain, figures.cpu_ms, figures.rss_mib, one, many)
 
 
-def pgqueuer_pg(tasks: int, procs: int) -> float:
+def pgqueuer_pg(tasks: int, procs: int, single: int) -> Figures:
     """pgqueuer with asyncpg (its recommended driver), P processes in drain mode,
     claiming and acknowledging in batches of 10 (its default)."""
     workdir = Path(tempfile.mkdtemp(prefix="cmp-pgqueuer-"))
     with pg_database() as conninfo:
-        dsn = sa.make_url(PG_URL).set(drivername="postgresql", database=conninfo.rsplit("/", 1)[1])
-        dsn_text = dsn.render_as_string(hide_password=False)
         mod = _module(
             workdir,
             f"""
-            import asyncio
+            import asyncio, json, sys, time
             import asyncpg
             from pgqueuer import AsyncpgDriver, Queries, QueueManager
             from pgqueuer.types import QueueExecutionMode
 
             async def main():
-                conn = await asyncpg.connect({dsn_text!r})
+                conn = await asyncpg.connect({conninfo!r})
                 qm = QueueManager(Queries(AsyncpgDriver(conn)))
 
                 @qm.entrypoint("noop")
@@ -175,62 +325,273 @@ def pgqueuer_pg(tasks: int, procs: int) -> float:
 
                 await qm.run(mode=QueueExecutionMode.drain, batch_size=10)
 
-            async def setup(n):
-                conn = await asyncpg.connect({dsn_text!r})
+            async def setup(n, single):
+                conn = await asyncpg.connect({conninfo!r})
                 queries = Queries(AsyncpgDriver(conn))
                 await queries.install()
+                began = time.perf_counter()
+                for _ in range(single):
+                    await queries.enqueue(["noop"], [None], [0])
+                one = single / (time.perf_counter() - began)
+                await conn.execute("DELETE FROM pgqueuer")
+                began = time.perf_counter()
                 for start in range(0, n, 500):
-                    size = min(500, n - start)
-                    await queries.enqueue(["noop"] * size, [None] * size, [0] * size)
+                    await queries.enqueue(["noop"] * 500, [None] * 500, [0] * 500)
+                many = n / (time.perf_counter() - began)
                 await conn.close()
-
-            if __name__ == "__main__":
-                asyncio.run(main())
+                return one, many
         """,
         )
         sys.path.insert(0, str(workdir))
         try:
             import asyncio
 
-            asyncio.run(__import__(mod.stem).setup(tasks))
-            seconds = _timed_consumers([sys.executable, str(mod)], procs, workdir)
+            one, many = asyncio.run(__import__(mod.stem).setup(tasks, single))
+            main = f"import asyncio, {mod.stem}; asyncio.run({mod.stem}.main())"
+            argv = [sys.executable, "-c", main]
+            figures = consume(argv, procs, tasks, cwd=workdir)
         finally:
             sys.path.remove(str(workdir))
+            shutil.rmtree(workdir, ignore_errors=True)
         _expect_zero(conninfo, "SELECT count(*) FROM pgqueuer")
-    return tasks / seconds
+    return Figures(figures.drain, figures.cpu_ms, figures.rss_mib, one, many)
+
+
+OBAN_LEFT = "SELECT count(*) FROM oban_jobs WHERE state <> 'completed'"
+OBAN_VENV = Path.home() / ".cache" / "agentbus-bench" / "oban"
+
+
+def oban_python() -> tuple[Path | None, str | None]:
+    """oban's interpreter (a Python 3.12 virtualenv made on first use), or why not."""
+    python = OBAN_VENV / "bin" / "python"
+    if python.exists():
+        return python, None
+    base = _python312()
+    if base is None:
+        return None, "needs a Python 3.12 (python3.12 on the PATH, or AGENTBUS_BENCH_PYTHON312)"
+    try:
+        subprocess.run([base, "-m", "venv", str(OBAN_VENV)], check=True, capture_output=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "oban>=0.6,<1"],
+            check=True,
+            capture_output=True,
+        )
+    except subprocess.CalledProcessError as exc:
+        shutil.rmtree(OBAN_VENV, ignore_errors=True)
+        why = (exc.stderr or b"").decode().strip().splitlines()
+        return None, f"could not install oban: {why[-1] if why else exc}"
+    return python, None
+
+
+def _python312() -> str | None:
+    """A Python 3.12 that runs: named by AGENTBUS_BENCH_PYTHON312, on the PATH, or pyenv's."""
+    named = os.environ.get("AGENTBUS_BENCH_PYTHON312")
+    candidates = [named] if named else []
+    candidates.append(shutil.which("python3.12"))
+    candidates += sorted(str(p) for p in Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))
+    for candidate in candidates:
+        if candidate is None:
+            continue
+        try:
+            subprocess.run([candidate, "--version"], check=True, capture_output=True)
+        except (OSError, subprocess.CalledProcessError):
+            continue
+        return candidate
+    return None
+
+
+def oban_pg(tasks: int, procs: int, single: int) -> Figures:
+    """oban (oban-py), P processes each running queue ``default`` with limit 10."""
+    python, _ = oban_python()
+    assert python is not None
+    workdir = Path(tempfile.mkdtemp(prefix="cmp-oban-"))
+    with pg_database() as conninfo:
+        mod = _module(
+            workdir,
+            f"""
+            import asyncio, json, sys, time
+            from oban import Oban, worker
+            from oban.schema import install
+
+            DSN = {conninfo!r}
+
+            @worker(queue="default")
+            class Noop:
+                async def process(self, job):
+                    return None
+
+            async def consume():
+                pool = await Oban.create_pool(DSN)
+                async with Oban(pool=pool, queues={{"default": 10}}):
+                    await asyncio.Event().wait()
+
+            async def setup(n, single):
+                pool = await Oban.create_pool(DSN)
+                await install(pool)
+                async with Oban(pool=pool) as oban:
+                    began = time.perf_counter()
+                    for _ in range(single):
+                        await Noop.enqueue()
+                    one = single / (time.perf_counter() - began)
+                    async with pool.connection() as conn:
+                        await conn.execute("DELETE FROM oban_jobs")
+                    began = time.perf_counter()
+                    for _ in range(n // 500):
+                        await oban.enqueue_many([Noop.new() for _ in range(500)])
+                    many = n / (time.perf_counter() - began)
+                await pool.close()
+                print(json.dumps([one, many]))
+
+            if __name__ == "__main__":
+                if sys.argv[1] == "setup":
+                    asyncio.run(setup(int(sys.argv[2]), int(sys.argv[3])))
+                else:
+                    asyncio.run(consume())
+        """,
+        )
+        runner = (
+            "import runpy, sys; sys.path.insert(0, '.'); "
+            f"runpy.run_module({mod.stem!r}, run_name='__main__')"
+        )
+        out = subprocess.run(
+            [str(python), "-c", runner, "setup", str(tasks), str(single)],
+            cwd=workdir,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        one, many = json.loads(out.stdout.strip().splitlines()[-1])
+        figures = consume(
+            [str(python), "-c", runner, "consume"],
+            procs,
+            tasks,
+            cwd=workdir,
+            drained=lambda: _count(conninfo, OBAN_LEFT) == 0,
+        )
+        shutil.rmtree(workdir, ignore_errors=True)
+    return Figures(figures.drain, figures.cpu_ms, figures.rss_mib, one, many)
+
+
+def _execute(conninfo: str, sql: str) -> None:
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(sql)
+
+
+def _count(conninfo: str, sql: str) -> int:
+    with psycopg.connect(conninfo) as conn:
+        row = conn.execute(sql).fetchone()
+    return int(row[0]) if row is not None else -1
 
 
 def _expect_zero(conninfo: str, sql: str) -> None:
     """The run counts only if the queue was really drained."""
-    with psycopg.connect(conninfo) as conn:
-        row = conn.execute(sql).fetchone()
-    if row is None or row[0] != 0:
-        raise RuntimeError(f"queue not drained: {sql} -> {row}")
+    if _count(conninfo, sql) != 0:
+        raise RuntimeError(f"queue not drained: {sql}")
+
+
+# -- side by side --------------------------------------------------------------
+
+
+def peers(backends: list[str]) -> list[Peer]:
+    """The queues to run, agentbus first on each backend."""
+    out: list[Peer] = []
+    if "sqlite" in backends:
+        out += [
+            Peer("sqlite", "agentbus worker, batch 1 (default)", agentbus("sqlite", 1)),
+            Peer("sqlite", "agentbus worker, --batch 10", agentbus("sqlite", 10)),
+            Peer(
+                "sqlite",
+                "huey (SqliteHuey, 2 process workers)",
+                huey_sqlite,
+                None if installed("huey") else "pip install -e .[bench]",
+            ),
+        ]
+    if "postgresql" in backends:
+        _, no_oban = oban_python()
+        out += [
+            Peer("postgresql", "agentbus worker, batch 1 (default)", agentbus("postgresql", 1)),
+            Peer("postgresql", "agentbus worker, --batch 10", agentbus("postgresql", 10)),
+            Peer(
+                "postgresql",
+                "pgqueuer (asyncpg, batch 10)",
+                pgqueuer_pg,
+                None if installed("pgqueuer", "asyncpg") else "pip install -e .[bench]",
+            ),
+            Peer("postgresql", "oban-py (queue limit 10)", oban_pg, no_oban),
+            Peer(
+                "postgresql",
+                "procrastinate (concurrency 1)",
+                procrastinate_pg,
+                None if installed("procrastinate") else "pip install -e .[bench]",
+            ),
+        ]
+    return out
 
 
 def side_by_side(
-    backends: list[str], n: int, procs: int, ours: Callable[[str], dict[int, float]]
+    backends: list[str], tasks: int, procs: int, single: int, cycles: int
 ) -> list[tuple[str, ...]]:
-    """Rows of a table: agentbus's drain rate per batch size (``ours``) beside each peer's
-    on the same backend, with the ratios."""
+    """Rows of the comparison table: each queue's medians over ``cycles`` interleaved
+    cycles, and agentbus's drain rate (batch 1 / batch 10) over each peer's."""
+    runnable = [p for p in peers(backends) if p.missing is None]
+    runs: dict[str, list[Figures]] = {p.label + p.backend: [] for p in runnable}
+    for n in range(cycles):
+        for peer in runnable:
+            runs[peer.label + peer.backend].append(peer.cycle(tasks, procs, single))
+        print(f"# cycle {n + 1} of {cycles} done", file=sys.stderr)
     rows: list[tuple[str, ...]] = []
-    others = {
-        "sqlite": [("huey", "huey", huey_sqlite)],
-        "postgresql": [
-            ("procrastinate", "procrastinate", procrastinate_pg),
-            ("pgqueuer", "pgqueuer (asyncpg)", pgqueuer_pg),
-        ],
-    }
     for backend in backends:
-        rates = ours(backend)
-        for batch, rate in rates.items():
-            rows.append((backend, f"agentbus worker, batch {batch}", f"{rate:,.0f}", ""))
-        for module, label, run in others.get(backend, []):
-            if not (installed(module) and (module != "pgqueuer" or installed("asyncpg"))):
-                rows.append((backend, label, "not installed (pip install -e .[bench])", ""))
+        ours = [
+            median(runs[p.label + p.backend])
+            for p in runnable
+            if p.backend == backend and p.label.startswith("agentbus")
+        ]
+        for peer in peers([backend]):
+            if peer.missing is not None:
+                rows.append((backend, peer.label, f"not run: {peer.missing}", *[""] * 5))
                 continue
-            theirs = run(n, procs)
-            ratio = " / ".join(f"{rates[b] / theirs:.2f}x (batch {b})" for b in rates)
-            rows.append((backend, label, f"{theirs:,.0f}", ratio))
-        print(f"# {backend} compared", file=sys.stderr)
+            f = median(runs[peer.label + peer.backend])
+            ratio = (
+                ""
+                if peer.label.startswith("agentbus")
+                else (" / ".join(f"{o.drain / f.drain:.2f}x" for o in ours))
+            )
+            rows.append(
+                (
+                    backend,
+                    peer.label,
+                    f"{f.drain:,.0f}",
+                    f"{f.cpu_ms:.2f}",
+                    f"{f.rss_mib:.1f}",
+                    f"{f.single:,.0f}" if f.single is not None else "n/a",
+                    f"{f.batch:,.0f}" if f.batch is not None else "n/a",
+                    ratio,
+                )
+            )
     return rows
+
+
+HEADERS = [
+    "backend",
+    "queue (2 consumer processes, no-op tasks)",
+    "drain tasks/s",
+    "CPU ms/task",
+    "RSS MiB",
+    "enqueue 1/call /s",
+    "enqueue 500/call /s",
+    "agentbus b1 / b10 =",
+]
+
+
+def median(figures: list[Figures]) -> Figures:
+    def mid(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
+    return Figures(
+        statistics.median(f.drain for f in figures),
+        statistics.median(f.cpu_ms for f in figures),
+        statistics.median(f.rss_mib for f in figures),
+        mid([f.single for f in figures]),
+        mid([f.batch for f in figures]),
+    )
