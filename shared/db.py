@@ -107,6 +107,7 @@ class Database:
             self.engine = _sqlite_engine(self.url, sqlite_busy_timeout_ms, sqlite_synchronous)
         else:
             self.engine = sa.create_engine(self.url, pool_size=pool_size, max_overflow=pool_size)
+        self._prepared: dict[int, tuple[Any, Prepared]] = {}
         path = self.sqlite_path()
         self._writers: contextlib.AbstractContextManager[None] = (
             _WriterTurns(path) if path is not None else contextlib.nullcontext()
@@ -137,6 +138,16 @@ class Database:
     def _write_once(self, work: Callable[[Connection], T]) -> T:
         with self._writers:
             return self._once(self.engine, work)
+
+    def prepared(self, statement: Any) -> Prepared:
+        """``statement`` compiled for this database, once (see ``Prepared``)."""
+        found = self._prepared.get(id(statement))
+        if found is None or found[0] is not statement:
+            found = self._prepared[id(statement)] = (
+                statement,
+                Prepared(statement, self.engine.dialect),
+            )
+        return found[1]
 
     def write_one(self, work: Callable[[Connection], T]) -> T:
         """PostgreSQL: run ``work``, one statement, in autocommit, retrying transient

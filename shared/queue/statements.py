@@ -272,6 +272,15 @@ def settle_params(decision: Decision) -> tuple[str, dict[str, Any]]:
             return "release", {}
 
 
+def insert_all(table: sa.Table) -> sa.Insert:
+    """INSERT of one row of ``table``: a bind parameter per column but the key ``id``."""
+    columns = [c for c in table.c if c.name != "id"]
+    return sa.insert(table).values({c.name: sa.bindparam(c.name, type_=c.type) for c in columns})
+
+
+#: One event row (``events.event``).
+INSERT_EVENT = insert_all(task_events)
+
 #: The columns an enqueue writes (``TaskQueue._row``).
 ENQUEUED_COLUMNS = (
     "agent",
@@ -288,29 +297,83 @@ ENQUEUED_COLUMNS = (
     "updated_at",
 )
 
+#: SQLite: insert one task, returning its id (``p_<column>`` for each of ENQUEUED_COLUMNS).
+ENQUEUE_ONE = (
+    sa.insert(t)
+    .values({c: sa.bindparam(f"p_{c}", type_=t.c[c].type) for c in ENQUEUED_COLUMNS})
+    .returning(t.c.id)
+)
 
-def _enqueue_postgres() -> sa.Select[Any]:
-    """PostgreSQL: insert a task, its enqueue event and the idle workers' wake-up in one
-    statement (one round trip instead of three). Parameters: ``p_<column>`` for each of
-    ENQUEUED_COLUMNS. Returns the new task's id."""
+#: The per-task arrays of ``ENQUEUE_MANY_POSTGRES`` (``p_<name>``), with their element types.
+ENQUEUE_ARRAYS: dict[str, Any] = {
+    "agent": sa.Text,
+    "command": sa.Text,
+    "payload": sa.Text,  # JSON text
+    "models": sa.Text,  # JSON text or NULL
+    "role": sa.Text,
+    "priority": sa.Integer,
+    "run_after": sa.Float,
+    "max_attempts": sa.Integer,
+}
+
+
+def _enqueue_many_postgres() -> sa.Select[Any]:
+    """PostgreSQL: insert tasks, their enqueue events and the idle workers' wake-up in one
+    statement. Parameters: one array per ENQUEUE_ARRAYS entry (``p_<name>``, a value per
+    task, in order) and ``p_now``. Returns the new ids in the order of the arrays."""
     from agentbus.queue.wakeups import CHANNEL
 
-    values = {c: sa.bindparam(f"p_{c}", type_=t.c[c].type) for c in ENQUEUED_COLUMNS}
-    new = sa.insert(t).values(values).returning(t.c.id, t.c.agent, t.c.created_at).cte("new")
+    arrays = [
+        sa.bindparam(f"p_{name}", type_=postgresql.ARRAY(element))
+        for name, element in ENQUEUE_ARRAYS.items()
+    ]
+    given = (
+        sa.func.unnest(*arrays)
+        .table_valued(*ENQUEUE_ARRAYS, with_ordinality="n")
+        .render_derived(name="given")
+    )
+    rows = sa.select(
+        given.c.agent,
+        given.c.command,
+        sa.cast(given.c.payload, sa.JSON),
+        sa.cast(given.c.models, sa.JSON),
+        given.c.role,
+        sa.literal(TaskStatus.QUEUED.value, sa.Text),
+        given.c.priority,
+        given.c.run_after,
+        given.c.max_attempts,
+        P_NOW,
+        P_NOW,
+    ).order_by(given.c.n)  # ids are drawn in this order: RETURNING sorted by id keeps it
+    columns = [
+        "agent",
+        "command",
+        "payload",
+        "models",
+        "role",
+        "status",
+        "priority",
+        "run_after",
+        "max_attempts",
+        "created_at",
+        "updated_at",
+    ]
+    new = sa.insert(t).from_select(columns, rows).returning(t.c.id, t.c.agent).cte("new")
     event = (
         sa.insert(task_events)
         .from_select(
             ["task_id", "to_status", "reason", "at"],
             sa.select(
                 new.c.id,
-                sa.literal(TaskStatus.QUEUED.value),
-                sa.literal("enqueue"),
-                new.c.created_at,
+                sa.literal(TaskStatus.QUEUED.value, sa.Text),
+                sa.literal("enqueue", sa.Text),
+                P_NOW,
             ),
         )
         .cte("event")
     )
-    return sa.select(new.c.id, sa.func.pg_notify(CHANNEL, new.c.agent)).add_cte(event)
+    notified = sa.func.pg_notify(CHANNEL, new.c.agent).label("notified")
+    return sa.select(new.c.id, notified).add_cte(event).order_by(new.c.id)
 
 
-ENQUEUE_POSTGRES = _enqueue_postgres()
+ENQUEUE_MANY_POSTGRES = _enqueue_many_postgres()

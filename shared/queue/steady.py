@@ -29,22 +29,18 @@ from agentbus.queue import events
 from agentbus.queue.decisions import Complete, Settlement
 from agentbus.queue.statements import (
     COMPLETE_MANY_POSTGRES,
+    INSERT_EVENT,
     P_NOW,
     P_WORKER,
     SETTLE,
     claim_statement,
+    insert_all,
     settle_params,
 )
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import route_log, task_events
 
 QUEUED, CLAIMED = TaskStatus.QUEUED.value, TaskStatus.CLAIMED.value
-
-
-def _insert(table: sa.Table) -> sa.Insert:
-    """INSERT of every column but the key, one bind parameter per column."""
-    columns = [c for c in table.c if c.name != "id"]
-    return sa.insert(table).values({c.name: sa.bindparam(c.name, type_=c.type) for c in columns})
 
 
 def _recordset(name: str, table: sa.Table, extra: Sequence[sa.ColumnClause[Any]] = ()) -> Any:
@@ -133,8 +129,8 @@ class SteadyState:
         else:
             self._complete = Prepared(SETTLE["complete"], dialect)
             self._claim = Prepared(claim_statement(db.dialect), dialect)
-            self._events = Prepared(_insert(task_events), dialect)
-            self._routes = Prepared(_insert(route_log), dialect)
+            self._events = Prepared(INSERT_EVENT, dialect)
+            self._routes = Prepared(insert_all(route_log), dialect)
             self._usage = Prepared(usage.upsert(db.dialect), dialect)
 
     def run(

@@ -17,6 +17,7 @@ an old token and none of its writes can land.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,9 +31,12 @@ from agentbus.queue import events, reads, wakeups
 from agentbus.queue.base import Clock, text_safe
 from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
 from agentbus.queue.statements import (
-    ENQUEUE_POSTGRES,
+    ENQUEUE_ARRAYS,
+    ENQUEUE_MANY_POSTGRES,
+    ENQUEUE_ONE,
     HAS_DUE,
     HEARTBEAT,
+    INSERT_EVENT,
     SETTLE,
     action_of,
     settle_params,
@@ -44,6 +48,11 @@ from agentbus.schema import bus_commands as t
 from agentbus.schema import idempotency_keys as keys
 
 QUEUED = TaskStatus.QUEUED
+
+
+def _json_or_none(value: Any) -> str | None:
+    return None if value is None else json.dumps(value)
+
 
 __all__ = ["Clock", "Enqueued", "Settlement", "TaskQueue"]
 
@@ -61,31 +70,23 @@ class TaskQueue(SweepOps):
 
     def enqueue(self, spec: TaskSpec) -> Enqueued:
         """Insert a queued task; with an idempotency key, return the task that has it."""
+        if spec.key is None:
+            return Enqueued(self.enqueue_many([spec])[0], created=True)
 
         def work(conn: Connection) -> Enqueued:
             now = self.clock()
             row = self._row(spec, now)
-            if spec.key is None and self.db.dialect == "postgresql":
-                params = {f"p_{name}": value for name, value in row.items()}
-                return Enqueued(int(conn.execute(ENQUEUE_POSTGRES, params).scalar_one()), True)
-            if spec.key is None:
-                new_id = conn.execute(sa.insert(t).returning(t.c.id), row).scalar_one()
-            else:
-                # The key table outlives the task (retention keeps keys longer).
-                known = conn.execute(
-                    sa.select(keys.c.task_id).where(keys.c.key == spec.key)
-                ).scalar()
-                if known is not None:
-                    return Enqueued(int(known), created=False)
-                new_id = conn.execute(self._insert_keyed, row).scalar()
-                if new_id is None:  # enqueued meanwhile by another producer
-                    existing = conn.execute(
-                        sa.select(t.c.id).where(t.c.idempotency_key == spec.key)
-                    ).scalar_one()
-                    return Enqueued(int(existing), created=False)
-                conn.execute(
-                    self._insert_key, {"key": spec.key, "task_id": new_id, "created_at": now}
-                )
+            # The key table outlives the task (retention keeps keys longer).
+            known = conn.execute(sa.select(keys.c.task_id).where(keys.c.key == spec.key)).scalar()
+            if known is not None:
+                return Enqueued(int(known), created=False)
+            new_id = conn.execute(self._insert_keyed, row).scalar()
+            if new_id is None:  # enqueued meanwhile by another producer
+                existing = conn.execute(
+                    sa.select(t.c.id).where(t.c.idempotency_key == spec.key)
+                ).scalar_one()
+                return Enqueued(int(existing), created=False)
+            conn.execute(self._insert_key, {"key": spec.key, "task_id": new_id, "created_at": now})
             events.record(conn, [events.event(new_id, None, QUEUED, now, reason="enqueue")])
             wakeups.notify(conn, (spec.agent,))
             return Enqueued(int(new_id), created=True)
@@ -96,23 +97,40 @@ class TaskQueue(SweepOps):
         """Insert many tasks in one transaction; returns their ids in order.
 
         Tasks with an idempotency key are enqueued one by one (their ids may
-        name existing tasks); the rest go in one multi-row INSERT.
+        name existing tasks). The others: on PostgreSQL one statement (the
+        tasks, their events and the workers' wake-up) in autocommit; on SQLite
+        one transaction of compiled inserts.
         """
         if any(s.key is not None for s in specs):
             return [self.enqueue(s).id for s in specs]
+        if not specs:
+            return []
+        now = self.clock()
+        rows = [self._row(s, now) for s in specs]
+        if self.db.dialect == "postgresql":
+            statement = self.db.prepared(ENQUEUE_MANY_POSTGRES)
+            params: dict[str, Any] = {f"p_{n}": [r[n] for r in rows] for n in ENQUEUE_ARRAYS}
+            params["p_payload"] = [json.dumps(r["payload"]) for r in rows]
+            params["p_models"] = [_json_or_none(r["models"]) for r in rows]
+            params["p_now"] = now
+
+            def one_statement(conn: Connection) -> list[int]:
+                return [int(row[0]) for row in statement.execute(conn, params).fetchall()]
+
+            return self.db.write_one(one_statement)
+        insert, event = self.db.prepared(ENQUEUE_ONE), self.db.prepared(INSERT_EVENT)
 
         def work(conn: Connection) -> list[int]:
-            now = self.clock()
-            rows = [self._row(s, now) for s in specs]
-            result = conn.execute(
-                sa.insert(t).returning(t.c.id, sort_by_parameter_order=True), rows
+            ids = [
+                int(insert.execute(conn, {f"p_{k}": v for k, v in row.items()}).fetchone()[0])
+                for row in rows
+            ]
+            event.execute_many(
+                conn, (events.event(i, None, QUEUED, now, reason="enqueue") for i in ids)
             )
-            ids = [int(i) for i in result.scalars()]
-            events.record(conn, (events.event(i, None, QUEUED, now, reason="enqueue") for i in ids))
-            wakeups.notify(conn, (s.agent for s in specs))
             return ids
 
-        return self.db.write(work) if specs else []
+        return self.db.write(work)
 
     def _row(self, spec: TaskSpec, now: float) -> dict[str, Any]:
         check_payload(spec, self.payload_limits)
