@@ -19,6 +19,8 @@ Workload (per backend):
   service resumes them; resume event time minus the pause's resume_after.
 - enqueue-to-claim latency: one idle worker (default poll_sec); 20 tasks
   enqueued 0.2-1.5 s apart; claim event time minus enqueue event time.
+- steady state per task: statements, round trips and commits of a worker's
+  settle-and-claim, counted where the database sees them (scripts/counting.py).
 - claim+complete: T no-op tasks are enqueued first; then P worker processes
   (spawned, connected and warmed up before the clock starts) claim and
   complete until the queue is empty. ``batch`` is how many tasks one claim
@@ -57,6 +59,7 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import compare
+import counting
 import psycopg
 import sqlalchemy as sa
 import startup
@@ -391,6 +394,7 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     rows += bench_resume_latency(url, args.sqlite_synchronous)
     rows += bench_wakeup_latency(url, args.sqlite_synchronous)
     rows += bench_fleet_admission(url)
+    rows += counting.rows(url)
     for batch in (int(b) for b in args.batches.split(",")):
         for procs in (int(p) for p in args.processes.split(",")):
             rate = throughput(url, args.sqlite_synchronous, procs, batch, args.tasks)

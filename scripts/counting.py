@@ -1,0 +1,168 @@
+"""What a worker's steady state costs the database, counted where the database sees it.
+
+``TaskQueue.settle_and_claim`` (what ``worker`` calls between tasks) runs over
+T no-op tasks, each completed with the routing row of its one call, with a
+claim batch of B. Counted per task:
+- SQLite: every statement SQLite starts (its trace callback), BEGIN and
+  COMMIT included; commits are the COMMITs.
+- PostgreSQL: the statements psycopg sends (``Query`` and ``Execute``
+  messages in libpq's protocol trace), the round trips (``Query`` and ``Sync``
+  messages: each waits for the server's answer), and the commits the server
+  counted for the database (``pg_stat_database.xact_commit``; an autocommit
+  statement is one).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+import tempfile
+import time
+import uuid
+from collections import Counter
+from typing import Any
+
+import sqlalchemy as sa
+
+from agentbus.admission.routing import Route
+from agentbus.db import Database
+from agentbus.queue import TaskQueue
+from agentbus.queue.decisions import Complete, Settlement
+from agentbus.queue.tasks import TaskSpec
+
+
+def steady_state(url: str, tasks: int, batch: int) -> dict[str, float]:
+    """Per-task counts of the steady state (see the module's docstring)."""
+    db = Database(url)
+    queue = TaskQueue(db)
+    agent = f"count{uuid.uuid4().hex[:6]}"
+    spec = TaskSpec(agent=agent, command="t", models=("sim/noop",))
+    for start in range(0, tasks, 500):
+        queue.enqueue_many([spec] * min(500, tasks - start))
+    db.dispose()
+    if db.dialect == "sqlite":
+        return _sqlite(url, agent, tasks, batch)
+    return _postgres(url, agent, tasks, batch)
+
+
+def _loop(queue: TaskQueue, agent: str, batch: int) -> int:
+    acks: list[Settlement] = []
+    done = 0
+    while True:
+        _, claimed = queue.settle_and_claim(acks, agent, "counter", 60, batch)
+        done += len(acks)
+        if not claimed:
+            return done
+        now = time.time()
+        acks = [
+            Settlement(
+                t.id,
+                t.claim_token,
+                Complete("ok", "sim/noop"),
+                [
+                    Route(
+                        t.id,
+                        t.claim_token,
+                        agent,
+                        "sim/noop",
+                        "call",
+                        now,
+                        worker="counter",
+                        outcome="ok",
+                        provider="sim",
+                    )
+                ],
+            )
+            for t in claimed
+        ]
+
+
+def _sqlite(url: str, agent: str, tasks: int, batch: int) -> dict[str, float]:
+    seen: Counter[str] = Counter()
+    db = Database(url)
+
+    @sa.event.listens_for(db.engine, "connect")
+    def _trace(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+        dbapi_conn.set_trace_callback(lambda sql: seen.update([sql.split(None, 1)[0].upper()]))
+
+    done = _loop(TaskQueue(db), agent, batch)
+    db.dispose()
+    assert done == tasks, (done, tasks)
+    for pragma in ("PRAGMA",):  # the connection's set-up, once
+        seen.pop(pragma, None)
+    return {"statements": sum(seen.values()) / tasks, "commits": seen["COMMIT"] / tasks}
+
+
+_SENT = re.compile(r"^F\s+\d+\s+(Query|Execute|Sync)\b", re.MULTILINE)
+
+
+def _postgres(url: str, agent: str, tasks: int, batch: int) -> dict[str, float]:
+    import psycopg
+
+    conninfo = sa.make_url(url).set(drivername="postgresql").render_as_string(False)
+    commits_before = _xact_commit(conninfo)
+    with tempfile.TemporaryDirectory() as tmp:
+        traces: list[Any] = []
+        db = Database(url)
+
+        @sa.event.listens_for(db.engine, "connect")
+        def _trace(dbapi_conn: psycopg.Connection[Any], _record: Any) -> None:
+            fh = open(os.path.join(tmp, f"{len(traces)}.trace"), "w")  # noqa: SIM115
+            traces.append(fh)
+            dbapi_conn.pgconn.trace(fh.fileno())
+            dbapi_conn.pgconn.set_trace_flags(
+                psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE
+            )
+
+        done = _loop(TaskQueue(db), agent, batch)
+        db.dispose()  # the backends exit: their statistics are flushed
+        sent: Counter[str] = Counter()
+        for fh in traces:
+            fh.close()
+            with open(fh.name) as text:
+                sent.update(m.group(1) for m in _SENT.finditer(text.read()))
+    assert done == tasks, (done, tasks)
+    commits = _xact_commit(conninfo, after=True) - commits_before
+    return {
+        "statements": (sent["Query"] + sent["Execute"]) / tasks,
+        "round trips": (sent["Query"] + sent["Sync"]) / tasks,
+        "commits": commits / tasks,
+    }
+
+
+def _xact_commit(conninfo: str, *, after: bool = False) -> int:
+    """The database's committed transactions so far (the statistics of exited backends
+    reach the view within moments; ``after`` waits for them)."""
+    import psycopg
+
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        if after:
+            time.sleep(1.5)
+        row = conn.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+    return int(row[0]) if row is not None else 0
+
+
+def rows(url: str, tasks: int = 2000) -> list[tuple[str, str]]:
+    """Table rows: the counts per task for claim batches of 1 and 10."""
+    out = []
+    for batch in (1, 10):
+        counts = steady_state(url, tasks, batch)
+        figures = ", ".join(f"{value:.2f} {name}" for name, value in counts.items())
+        out.append((f"steady state per task, batch {batch} ({tasks:,} tasks)", figures))
+    return out
+
+
+if __name__ == "__main__":  # a quick look: python scripts/counting.py URL
+    import sys
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target = sys.argv[1] if len(sys.argv) > 1 else f"sqlite:///{tmp}/count.db"
+        if target.startswith("sqlite"):
+            from agentbus.db import migrate
+
+            migrate(Database(target))
+        for label, figures in rows(target):
+            print(f"{label}: {figures}")
