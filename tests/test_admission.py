@@ -273,6 +273,26 @@ def test_circuit_opens_on_the_failure_share_of_its_window(
         adm2.cooldowns.refresh()
 
 
+def test_a_success_ends_a_run_of_failures_another_process_counted(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    """A success is counted without the circuit's lock, but still ends the run of
+    consecutive failures, whoever counted them; and it stays in the failure window."""
+    cfg = config(tmp_path)
+    ok_side, failing = admission(db, clock, cfg, "w1"), admission(db, clock, cfg, "w2")
+    edge = candidate(ok_side, "edge-1", "default")
+    finish(ok_side, edge, ok=True)  # this process has seen the circuit row now
+    for _ in range(2):
+        finish(failing, edge, ok=False)
+    finish(ok_side, edge, ok=True)  # counted alone: the run of 2 ends
+    runs = db.read(lambda conn: conn.execute(sa.text("SELECT consecutive_failures FROM circuits")))
+    assert [row[0] for row in runs] == [0]
+    finish(failing, edge, ok=False)  # 3 failures, never 3 in a row: 3 of 5 failed
+    clock.advance(1)
+    refused = admit(ok_side, edge)
+    assert isinstance(refused, Refusal) and refused.code is Code.CIRCUIT_OPEN
+
+
 def test_a_refused_credential_leaves_the_account_out_until_it_changes(
     db: Database, clock: FakeClock, tmp_path: Path
 ) -> None:

@@ -391,7 +391,13 @@ class Admission:
                     .where(call_slots.c.id == permit.slot_id, call_slots.c.released_at.is_(None))
                     .values(released_at=now)
                 )
-            if failed is not None:
+            if (
+                failed is False
+                and not permit.probe
+                and self.circuits.counts_success_alone(provider)
+            ):
+                self.circuits.count_success(conn, provider, now)
+            elif failed is not None:
                 lock_gates(conn, [f"circuit:{c.provider}"])
                 self.circuits.count(conn, provider, failed=failed, probe=permit.probe, now=now)
 

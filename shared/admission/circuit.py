@@ -91,6 +91,32 @@ class CircuitStore:
             )
         return bool(won)
 
+    def counts_success_alone(self, provider: ProviderConfig) -> bool:
+        """Whether a success (not a probe) can be counted by ``count_success``: this process
+        has seen the provider's circuit row, for its current endpoint."""
+        seen = self._cache.get(provider.name)
+        return seen is not None and seen[0] == provider.endpoint
+
+    def count_success(self, conn: Connection, provider: ProviderConfig, now: float) -> None:
+        """Count a successful call (not a probe) without the circuit's lock.
+
+        A success moves no circuit (``after_call``: only a failure opens one, only
+        the probe closes one); it only ends a run of consecutive failures. So it is
+        one insert into the window and one guarded update that resets the run where
+        another process counted failures (usually it matches no row, and writes
+        nothing). Calls that left the window are deleted by the next failure's count
+        and by the sweeper's purge."""
+        conn.execute(sa.insert(calls).values(provider=provider.name, at=now, failed=False))
+        conn.execute(
+            sa.update(circuits)
+            .where(
+                circuits.c.provider == provider.name,
+                circuits.c.endpoint == provider.endpoint,
+                circuits.c.consecutive_failures > 0,
+            )
+            .values(consecutive_failures=0, updated_at=now)
+        )
+
     def count(
         self, conn: Connection, provider: ProviderConfig, *, failed: bool, probe: bool, now: float
     ) -> None:
