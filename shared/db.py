@@ -19,6 +19,7 @@ import os
 import sqlite3
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from importlib import resources
@@ -107,7 +108,6 @@ class Database:
             self.engine = _sqlite_engine(self.url, sqlite_busy_timeout_ms, sqlite_synchronous)
         else:
             self.engine = sa.create_engine(self.url, pool_size=pool_size, max_overflow=pool_size)
-        self._prepared: dict[int, tuple[Any, Prepared]] = {}
         path = self.sqlite_path()
         self._writers: contextlib.AbstractContextManager[None] = (
             _WriterTurns(path) if path is not None else contextlib.nullcontext()
@@ -141,13 +141,7 @@ class Database:
 
     def prepared(self, statement: Any) -> Prepared:
         """``statement`` compiled for this database, once (see ``Prepared``)."""
-        found = self._prepared.get(id(statement))
-        if found is None or found[0] is not statement:
-            found = self._prepared[id(statement)] = (
-                statement,
-                Prepared(statement, self.engine.dialect),
-            )
-        return found[1]
+        return prepared(self.engine.dialect, statement)
 
     def write_one(self, work: Callable[[Connection], T]) -> T:
         """PostgreSQL: run ``work``, one statement, in autocommit, retrying transient
@@ -336,17 +330,21 @@ class Prepared:
 
     def rows(self, cursor: Any) -> list[dict[str, Any]]:
         """The cursor's rows as dicts by column, each value as SQLAlchemy would read it."""
+        return [dict(zip(self.columns, row, strict=True)) for row in self.tuples(cursor)]
+
+    def tuples(self, cursor: Any) -> list[tuple[Any, ...]]:
+        """The cursor's rows, each value as SQLAlchemy would read it."""
         if self._results is None:  # the driver's column types are known now
             self._results = [
                 type_.result_processor(self._dialect, described[1])
                 for type_, described in zip(self._types, cursor.description, strict=True)
             ]
-        columns, procs = self.columns, self._results
+        procs = self._results
         return [
-            {
-                name: value if process is None else process(value)
-                for name, process, value in zip(columns, procs, row, strict=True)
-            }
+            tuple(
+                value if process is None else process(value)
+                for process, value in zip(procs, row, strict=True)
+            )
             for row in cursor.fetchall()
         ]
 
@@ -372,6 +370,20 @@ def _as_sqlalchemy_errors(conn: Connection, sql: str, params: Any) -> Iterator[N
         raise sa.exc.DBAPIError.instance(
             sql, params, exc, dbapi.Error, connection_invalidated=lost, dialect=conn.dialect
         ) from exc
+
+
+_PREPARED: weakref.WeakKeyDictionary[sa.Dialect, dict[int, tuple[Any, Prepared]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def prepared(dialect: sa.Dialect, statement: Any) -> Prepared:
+    """``statement`` compiled for ``dialect`` (an engine's: ``conn.dialect``), once."""
+    known = _PREPARED.setdefault(dialect, {})
+    found = known.get(id(statement))
+    if found is None or found[0] is not statement:
+        found = known[id(statement)] = (statement, Prepared(statement, dialect))
+    return found[1]
 
 
 def _processor(type_: Any, dialect: sa.Dialect) -> Callable[[Any], Any] | None:

@@ -48,7 +48,7 @@ from agentbus.admission.limits import Limits
 from agentbus.admission.routing import Candidate, Resolution, fingerprint, resolve
 from agentbus.catalog import Catalog
 from agentbus.config import Config, LiveConfig, Settings
-from agentbus.db import Database
+from agentbus.db import Database, prepared
 from agentbus.logging import get_logger
 from agentbus.providers.outcomes import AuthFailed, Outcome, RateLimited, TimedOut, Usage
 from agentbus.schema import account_state, call_slots
@@ -59,9 +59,49 @@ log = get_logger("agentbus.admission")
 #: providers, accounts, bulkheads and agents never wait for each other.
 LOCK_CLASS = 0x61646D69
 # One round trip for all of them, taken in the array's order (a function scan's).
-_LOCK = sa.text(
-    "SELECT count(pg_advisory_xact_lock(:lock_class, hashtext(k))) "
-    "FROM unnest(CAST(:keys AS text[])) WITH ORDINALITY AS u(k, i)"
+_KEYS = (
+    sa.func.unnest(sa.bindparam("p_keys", type_=postgresql.ARRAY(sa.Text)))
+    .table_valued("k", with_ordinality="i")
+    .render_derived(name="u")
+)
+_LOCK = sa.select(
+    sa.func.count(
+        sa.func.pg_advisory_xact_lock(
+            sa.bindparam("p_lock_class", type_=sa.Integer), sa.func.hashtext(_KEYS.c.k)
+        )
+    )
+)
+
+
+#: Take a slot (the values: bind parameters named after the columns); returns its id.
+_TAKE_SLOT = (
+    sa.insert(call_slots)
+    .values(
+        {
+            name: sa.bindparam(name, type_=call_slots.c[name].type)
+            for name in (
+                "provider",
+                "account",
+                "model",
+                "agent",
+                "bulkhead",
+                "task_id",
+                "worker",
+                "admitted_at",
+                "lease_until",
+            )
+        }
+    )
+    .returning(call_slots.c.id)
+)
+#: Give a slot back. No row matched: the lease ran out and the sweeper purged it.
+_RELEASE_SLOT = (
+    sa.update(call_slots)
+    .where(
+        call_slots.c.id == sa.bindparam("p_id", type_=sa.BigInteger),
+        call_slots.c.released_at.is_(None),
+    )
+    .values(released_at=sa.bindparam("p_now", type_=sa.Float))
 )
 
 
@@ -70,7 +110,8 @@ def lock_gates(conn: Connection, keys: Iterable[str]) -> None:
     at a time serializes already). Always in sorted order: two admissions never deadlock."""
     wanted = sorted(set(keys))
     if wanted and conn.dialect.name == "postgresql":
-        conn.execute(_LOCK, {"lock_class": LOCK_CLASS, "keys": wanted})
+        lock = prepared(conn.dialect, _LOCK)
+        lock.execute(conn, {"p_lock_class": LOCK_CLASS, "p_keys": wanted}).fetchall()
 
 
 @dataclass(eq=False)
@@ -323,21 +364,19 @@ class Admission:
             return Refusal(Code.CIRCUIT_OPEN, recheck, detail, "circuit", gates)
         slot_id = None
         if limits.slot:
-            slot_id = conn.execute(
-                sa.insert(call_slots)
-                .values(
-                    provider=c.provider,
-                    account=c.account,
-                    model=c.model,
-                    agent=agent,
-                    bulkhead=c.bulkhead,
-                    task_id=task_id,
-                    worker=self.worker,
-                    admitted_at=now,
-                    lease_until=now + lease_sec,
-                )
-                .returning(call_slots.c.id)
-            ).scalar_one()
+            slot = prepared(conn.dialect, _TAKE_SLOT)
+            params = {
+                "provider": c.provider,
+                "account": c.account,
+                "model": c.model,
+                "agent": agent,
+                "bulkhead": c.bulkhead,
+                "task_id": task_id,
+                "worker": self.worker,
+                "admitted_at": now,
+                "lease_until": now + lease_sec,
+            }
+            slot_id = slot.tuples(slot.execute(conn, params))[0][0]
         return Permit(self, c, slot_id, probe, gates)
 
     # -- after the call ------------------------------------------------------
@@ -386,11 +425,8 @@ class Admission:
             now = self.clock()
             if permit.slot_id is not None:
                 # No row matched: the lease ran out and the sweeper purged it: nothing to give.
-                conn.execute(
-                    sa.update(call_slots)
-                    .where(call_slots.c.id == permit.slot_id, call_slots.c.released_at.is_(None))
-                    .values(released_at=now)
-                )
+                release = prepared(conn.dialect, _RELEASE_SLOT)
+                release.execute(conn, {"p_id": permit.slot_id, "p_now": now})
             if (
                 failed is False
                 and not permit.probe

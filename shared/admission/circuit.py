@@ -15,6 +15,7 @@ from agentbus.admission import journal
 from agentbus.admission.gates import Circuit, CircuitRules, after_call
 from agentbus.catalog import ProviderConfig
 from agentbus.config import Settings
+from agentbus.db import prepared
 from agentbus.logging import get_logger
 from agentbus.schema import circuit_calls as calls
 from agentbus.schema import circuits
@@ -106,16 +107,9 @@ class CircuitStore:
         another process counted failures (usually it matches no row, and writes
         nothing). Calls that left the window are deleted by the next failure's count
         and by the sweeper's purge."""
-        conn.execute(sa.insert(calls).values(provider=provider.name, at=now, failed=False))
-        conn.execute(
-            sa.update(circuits)
-            .where(
-                circuits.c.provider == provider.name,
-                circuits.c.endpoint == provider.endpoint,
-                circuits.c.consecutive_failures > 0,
-            )
-            .values(consecutive_failures=0, updated_at=now)
-        )
+        params = {"p_provider": provider.name, "p_endpoint": provider.endpoint, "p_now": now}
+        prepared(conn.dialect, _COUNT_SUCCESS).execute(conn, params)
+        prepared(conn.dialect, _END_RUN).execute(conn, params)
 
     def count(
         self, conn: Connection, provider: ProviderConfig, *, failed: bool, probe: bool, now: float
@@ -181,6 +175,20 @@ class CircuitStore:
     def purge(self, conn: Connection, now: float) -> None:
         """Delete counted calls that have left every window."""
         conn.execute(sa.delete(calls).where(calls.c.at < now - self.rules.window_sec))
+
+
+_P_PROVIDER = sa.bindparam("p_provider", type_=sa.Text)
+_P_NOW = sa.bindparam("p_now", type_=sa.Float)
+_COUNT_SUCCESS = sa.insert(calls).values(provider=_P_PROVIDER, at=_P_NOW, failed=False)
+_END_RUN = (
+    sa.update(circuits)
+    .where(
+        circuits.c.provider == _P_PROVIDER,
+        circuits.c.endpoint == sa.bindparam("p_endpoint", type_=sa.Text),
+        circuits.c.consecutive_failures > 0,
+    )
+    .values(consecutive_failures=0, updated_at=_P_NOW)
+)
 
 
 def _state(row: Any) -> Circuit:

@@ -5,6 +5,7 @@ is plain data (``Limits.of``); ``check`` turns the counts into refusals."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,10 +13,11 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.admission import usage
-from agentbus.admission.gates import Code, Refusal, next_day, window_free_at
+from agentbus.admission.gates import Code, Refusal, day_of, next_day, window_free_at
 from agentbus.admission.routing import Candidate
 from agentbus.catalog import Catalog
 from agentbus.config import Settings
+from agentbus.db import prepared
 from agentbus.schema import call_slots
 
 
@@ -96,72 +98,47 @@ class Limits:
         gets each gate's result for the routing history."""
         refusals: list[Refusal] = []
         rooms: list[int] = []
-        open_slot = sa.and_(call_slots.c.released_at.is_(None), call_slots.c.lease_until > now)
         slots_gates = [
-            (gate, code, limit, where)
-            for gate, code, limit, where in (
-                ("concurrency", Code.CONCURRENCY_FULL, self.global_concurrency, sa.true()),
-                (
-                    "provider_concurrency",
-                    Code.CONCURRENCY_FULL,
-                    self.provider_concurrency,
-                    call_slots.c.provider == c.provider,
-                ),
-                (
-                    "bulkhead",
-                    Code.BULKHEAD_FULL,
-                    self.bulkhead[1] if self.bulkhead else None,
-                    call_slots.c.bulkhead == (self.bulkhead[0] if self.bulkhead else None),
-                ),
+            (gate, code, limit)
+            for gate, code, limit in (
+                ("concurrency", Code.CONCURRENCY_FULL, self.global_concurrency),
+                ("provider_concurrency", Code.CONCURRENCY_FULL, self.provider_concurrency),
+                ("bulkhead", Code.BULKHEAD_FULL, self.bulkhead[1] if self.bulkhead else None),
             )
             if limit
         ]
         windows = []
         if self.rpm:
-            account = sa.and_(
-                call_slots.c.provider == c.provider, call_slots.c.account == c.account
-            )
-            windows.append(("rpm", self.rpm[0], self.rpm[1], account))
+            windows.append(("rpm", self.rpm[0], self.rpm[1]))
         if self.agent_rate:
-            n, window = self.agent_rate
-            windows.append(("agent_rate", n, window, call_slots.c.agent == agent))
-        # Every count in one statement: one round trip however many gates apply.
-        asked: list[sa.ColumnElement[Any]] = []
-        for _, _, _, where in slots_gates:
-            asked.append(
-                sa.select(sa.func.count())
-                .select_from(call_slots)
-                .where(open_slot, where)
-                .scalar_subquery()
-            )
-        for _, limit, window, where in windows:
-            in_window = sa.and_(where, call_slots.c.admitted_at > now - window)
-            asked.append(  # the limit-th newest call of the window, if there are that many
-                sa.select(call_slots.c.admitted_at)
-                .where(in_window)
-                .order_by(call_slots.c.admitted_at.desc())
-                .offset(limit - 1)
-                .limit(1)
-                .scalar_subquery()
-            )
-            if not take:
-                asked.append(
-                    sa.select(sa.func.count())
-                    .select_from(call_slots)
-                    .where(in_window)
-                    .scalar_subquery()
-                )
-        if self.tokens or self.cost:
-            asked += usage.today_columns(now)
-        answers = iter(conn.execute(sa.select(*asked)).one() if asked else ())
-        for gate, code, limit, _ in slots_gates:
+            windows.append(("agent_rate", *self.agent_rate))
+        budgets = bool(self.tokens or self.cost)
+        params: dict[str, Any] = {
+            "p_now": now,
+            "p_provider": c.provider,
+            "p_account": c.account,
+            "p_bulkhead": self.bulkhead[0] if self.bulkhead else None,
+            "p_agent": agent,
+            "p_day": day_of(now),
+        }
+        for gate, limit, window in windows:
+            params[f"p_{gate}_since"], params[f"p_{gate}_offset"] = now - window, limit - 1
+        shape = (
+            tuple(g for g, _, _ in slots_gates),
+            tuple(g for g, _, _ in windows),
+            take,
+            budgets,
+        )
+        statement = prepared(conn.dialect, counts_statement(*shape))
+        answers = iter(statement.tuples(statement.execute(conn, params))[0])
+        for gate, code, limit in slots_gates:
             used = int(next(answers))
             gates[gate] = f"{used}/{limit}"
             rooms.append(limit - used)
             if used >= limit:
                 detail = f"{gate}: {used}/{limit} calls in flight"
                 refusals.append(Refusal(code, recheck, detail, gate))
-        for gate, limit, window, _ in windows:
+        for gate, limit, window in windows:
             free_at = window_free_at(next(answers), window, now)
             gates[gate] = "ok" if free_at is None else "refused"
             if not take:
@@ -192,3 +169,58 @@ class Limits:
                     )
                 )
         return refusals, rooms
+
+
+_P_NOW = sa.bindparam("p_now", type_=sa.Float)
+#: How each gate that counts slots in flight picks its slots.
+_SLOT_GATES: dict[str, Any] = {
+    "concurrency": sa.true(),
+    "provider_concurrency": call_slots.c.provider == sa.bindparam("p_provider", type_=sa.Text),
+    "bulkhead": call_slots.c.bulkhead == sa.bindparam("p_bulkhead", type_=sa.Text),
+}
+#: How each sliding window picks its calls.
+_WINDOWS: dict[str, Any] = {
+    "rpm": sa.and_(
+        call_slots.c.provider == sa.bindparam("p_provider", type_=sa.Text),
+        call_slots.c.account == sa.bindparam("p_account", type_=sa.Text),
+    ),
+    "agent_rate": call_slots.c.agent == sa.bindparam("p_agent", type_=sa.Text),
+}
+
+
+@functools.cache
+def counts_statement(
+    slot_gates: tuple[str, ...], windows: tuple[str, ...], take: bool, budgets: bool
+) -> sa.Select[Any]:
+    """Every count the gates of one shape need, in one statement: one round trip however
+    many gates apply (built once per shape; the values are bind parameters)."""
+    asked: list[sa.ColumnElement[Any]] = []
+    open_slot = sa.and_(call_slots.c.released_at.is_(None), call_slots.c.lease_until > _P_NOW)
+    for gate in slot_gates:
+        asked.append(
+            sa.select(sa.func.count())
+            .select_from(call_slots)
+            .where(open_slot, _SLOT_GATES[gate])
+            .scalar_subquery()
+        )
+    for gate in windows:
+        since = sa.bindparam(f"p_{gate}_since", type_=sa.Float)
+        in_window = sa.and_(_WINDOWS[gate], call_slots.c.admitted_at > since)
+        asked.append(  # the limit-th newest call of the window, if there are that many
+            sa.select(call_slots.c.admitted_at)
+            .where(in_window)
+            .order_by(call_slots.c.admitted_at.desc())
+            .offset(sa.bindparam(f"p_{gate}_offset", type_=sa.Integer))
+            .limit(1)
+            .scalar_subquery()
+        )
+        if not take:
+            asked.append(
+                sa.select(sa.func.count())
+                .select_from(call_slots)
+                .where(in_window)
+                .scalar_subquery()
+            )
+    if budgets:
+        asked += usage.today_columns(sa.bindparam("p_day", type_=sa.Float))
+    return sa.select(*asked) if asked else sa.select(sa.literal(1))

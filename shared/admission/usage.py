@@ -84,10 +84,11 @@ def _adding(insert: Any) -> sa.Insert:
     return added
 
 
-def today_columns(now: float) -> list[sa.ScalarSelect[Any]]:
-    """Tokens and cost settled so far in the current UTC day, as two scalar subqueries
-    (admission asks them in the statement that counts its other gates)."""
-    today = u.c.day == day_of(now)
+def today_columns(day: Any) -> list[sa.ScalarSelect[Any]]:
+    """Tokens and cost settled so far on ``day`` (its first epoch second: a value or a
+    bind parameter), as two scalar subqueries (admission asks them in the statement
+    that counts its other gates)."""
+    today = u.c.day == day
     return [
         sa.select(sa.func.coalesce(sa.func.sum(u.c.prompt_tokens + u.c.completion_tokens), 0))
         .where(today)
