@@ -277,8 +277,9 @@ def test_a_success_ends_a_run_of_failures_another_process_counted(
     db: Database, clock: FakeClock, tmp_path: Path
 ) -> None:
     """A success is counted without the circuit's lock, but still ends the run of
-    consecutive failures, whoever counted them; and it stays in the failure window."""
-    cfg = config(tmp_path)
+    consecutive failures, whoever counted them; and it stays in the failure window
+    (with a slot to give back: on PostgreSQL both go in one statement)."""
+    cfg = config(tmp_path, global_concurrency=10)
     ok_side, failing = admission(db, clock, cfg, "w1"), admission(db, clock, cfg, "w2")
     edge = candidate(ok_side, "edge-1", "default")
     finish(ok_side, edge, ok=True)  # this process has seen the circuit row now
@@ -287,6 +288,8 @@ def test_a_success_ends_a_run_of_failures_another_process_counted(
     finish(ok_side, edge, ok=True)  # counted alone: the run of 2 ends
     runs = db.read(lambda conn: conn.execute(sa.text("SELECT consecutive_failures FROM circuits")))
     assert [row[0] for row in runs] == [0]
+    held = "SELECT count(*) FROM call_slots WHERE released_at IS NULL"
+    assert db.read(lambda conn: conn.execute(sa.text(held)).scalar()) == 0
     finish(failing, edge, ok=False)  # 3 failures, never 3 in a row: 3 of 5 failed
     clock.advance(1)
     refused = admit(ok_side, edge)

@@ -31,7 +31,7 @@ from sqlalchemy.engine import Connection
 
 from agentbus import masking
 from agentbus.admission.budget import ClientBudget, Reserve, WorkspaceBudget
-from agentbus.admission.circuit import CircuitStore
+from agentbus.admission.circuit import COUNT_SUCCESS, END_RUN, CircuitStore
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import (
     SLOT_CODES,
@@ -51,7 +51,7 @@ from agentbus.config import Config, LiveConfig, Settings
 from agentbus.db import Database, prepared
 from agentbus.logging import get_logger
 from agentbus.providers.outcomes import AuthFailed, Outcome, RateLimited, TimedOut, Usage
-from agentbus.schema import account_state, call_slots
+from agentbus.schema import account_state, call_slots, circuit_calls
 
 log = get_logger("agentbus.admission")
 #: PostgreSQL: an admission holds a transaction lock on each gate it counts (the
@@ -102,6 +102,13 @@ _RELEASE_SLOT = (
         call_slots.c.released_at.is_(None),
     )
     .values(released_at=sa.bindparam("p_now", type_=sa.Float))
+)
+
+#: PostgreSQL: a slot given back and a successful call counted in its circuit
+#: (``circuit.COUNT_SUCCESS``, ``circuit.END_RUN``), in one statement.
+_RELEASE_AND_COUNT_SUCCESS_POSTGRES = END_RUN.add_cte(
+    _RELEASE_SLOT.returning(call_slots.c.id).cte("released"),
+    COUNT_SUCCESS.returning(circuit_calls.c.id).cte("counted"),
 )
 
 
@@ -421,17 +428,27 @@ class Admission:
         if permit.slot_id is None and failed is None:
             return
 
+        success = (
+            failed is False and not permit.probe and self.circuits.counts_success_alone(provider)
+        )
+        now = self.clock()
+        params = {
+            "p_id": permit.slot_id,
+            "p_now": now,
+            "p_provider": provider.name,
+            "p_endpoint": provider.endpoint,
+        }
+        if success and permit.slot_id is not None and self.db.dialect == "postgresql":
+            # The common case in one statement, its own transaction: one round trip.
+            both = prepared(self.db.engine.dialect, _RELEASE_AND_COUNT_SUCCESS_POSTGRES)
+            self.db.write_one(lambda conn: both.execute(conn, params))
+            return
+
         def work(conn: Connection) -> None:
-            now = self.clock()
             if permit.slot_id is not None:
                 # No row matched: the lease ran out and the sweeper purged it: nothing to give.
-                release = prepared(conn.dialect, _RELEASE_SLOT)
-                release.execute(conn, {"p_id": permit.slot_id, "p_now": now})
-            if (
-                failed is False
-                and not permit.probe
-                and self.circuits.counts_success_alone(provider)
-            ):
+                prepared(conn.dialect, _RELEASE_SLOT).execute(conn, params)
+            if success:
                 self.circuits.count_success(conn, provider, now)
             elif failed is not None:
                 lock_gates(conn, [f"circuit:{c.provider}"])

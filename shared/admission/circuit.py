@@ -108,8 +108,8 @@ class CircuitStore:
         nothing). Calls that left the window are deleted by the next failure's count
         and by the sweeper's purge."""
         params = {"p_provider": provider.name, "p_endpoint": provider.endpoint, "p_now": now}
-        prepared(conn.dialect, _COUNT_SUCCESS).execute(conn, params)
-        prepared(conn.dialect, _END_RUN).execute(conn, params)
+        prepared(conn.dialect, COUNT_SUCCESS).execute(conn, params)
+        prepared(conn.dialect, END_RUN).execute(conn, params)
 
     def count(
         self, conn: Connection, provider: ProviderConfig, *, failed: bool, probe: bool, now: float
@@ -177,10 +177,13 @@ class CircuitStore:
         conn.execute(sa.delete(calls).where(calls.c.at < now - self.rules.window_sec))
 
 
+# A success counted without the lock (``count_success``); parameters p_provider,
+# p_endpoint, p_now. Public: admission runs them with a slot's release in one
+# statement on PostgreSQL.
 _P_PROVIDER = sa.bindparam("p_provider", type_=sa.Text)
 _P_NOW = sa.bindparam("p_now", type_=sa.Float)
-_COUNT_SUCCESS = sa.insert(calls).values(provider=_P_PROVIDER, at=_P_NOW, failed=False)
-_END_RUN = (
+COUNT_SUCCESS = sa.insert(calls).values(provider=_P_PROVIDER, at=_P_NOW, failed=False)
+END_RUN = (
     sa.update(circuits)
     .where(
         circuits.c.provider == _P_PROVIDER,
