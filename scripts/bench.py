@@ -193,7 +193,7 @@ def worker_drain(
     peak_kib = 0
     while any(p.poll() is None for p in procs):
         for p in procs:
-            peak_kib = max(peak_kib, _rss_kib(p.pid))
+            peak_kib = max(peak_kib, compare.rss_kib(p.pid))
         time.sleep(0.05)
     elapsed = time.perf_counter() - began
     if any(p.returncode for p in procs):
@@ -370,17 +370,6 @@ def bench_wakeup_latency(url: str, synchronous: str, tasks: int = 20) -> list[tu
             f"{lags[len(lags) // 2] * 1000:,.0f} / {p95 * 1000:,.0f} ms",
         )
     ]
-
-
-def _rss_kib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:

@@ -95,7 +95,7 @@ def _module(workdir: Path, source: str) -> Path:
     return path
 
 
-def _rss_kib(pid: int) -> int:
+def rss_kib(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as fh:
             for line in fh:
@@ -149,7 +149,7 @@ def consume(
         while True:
             for child in children:
                 for pid in (child.pid, *_descendants(child.pid)):
-                    peak_kib = max(peak_kib, _rss_kib(pid))
+                    peak_kib = max(peak_kib, rss_kib(pid))
             if drained is None and all(c.poll() is not None for c in children):
                 break
             if drained is not None and drained():

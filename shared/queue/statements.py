@@ -345,19 +345,7 @@ def _enqueue_many_postgres() -> sa.Select[Any]:
         P_NOW,
         P_NOW,
     ).order_by(given.c.n)  # ids are drawn in this order: RETURNING sorted by id keeps it
-    columns = [
-        "agent",
-        "command",
-        "payload",
-        "models",
-        "role",
-        "status",
-        "priority",
-        "run_after",
-        "max_attempts",
-        "created_at",
-        "updated_at",
-    ]
+    columns = [c for c in ENQUEUED_COLUMNS if c != "idempotency_key"]  # in the order above
     new = sa.insert(t).from_select(columns, rows).returning(t.c.id, t.c.agent).cte("new")
     event = (
         sa.insert(task_events)
