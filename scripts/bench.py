@@ -60,6 +60,7 @@ from pathlib import Path
 
 import compare
 import counting
+import measure
 import psycopg
 import sqlalchemy as sa
 import startup
@@ -70,8 +71,7 @@ from agentbus.admission.cooldowns import CooldownStore
 from agentbus.config import LiveConfig, Settings
 from agentbus.db import Database, migrate
 from agentbus.logging import configure
-from agentbus.queue import Settlement, TaskQueue, reads
-from agentbus.queue.decisions import Complete
+from agentbus.queue import TaskQueue, reads
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import bus_commands
 from agentbus.sweeper import jobs
@@ -122,15 +122,7 @@ def drain(url: str, synchronous: str, agent: str, batch: int, ready: Event, go: 
     queue.claim("nobody", "warmup", 1)  # connect and compile before the clock starts
     ready.set()
     go.wait()
-    done = 0
-    worker = f"w{os.getpid()}"
-    acks: list[Settlement] = []
-    while True:  # as the worker does: acknowledge the last claim's tasks with the next claim
-        _, tasks = queue.settle_and_claim(acks, agent, worker, 60, batch)
-        if not tasks:
-            break
-        acks = [Settlement(t.id, t.claim_token, Complete(None)) for t in tasks]
-        done += len(tasks)
+    done = counting.steady_loop(queue, agent, f"w{os.getpid()}", batch, routes=False)
     db.dispose()
     return done
 
@@ -193,7 +185,7 @@ def worker_drain(
     peak_kib = 0
     while any(p.poll() is None for p in procs):
         for p in procs:
-            peak_kib = max(peak_kib, compare.rss_kib(p.pid))
+            peak_kib = max(peak_kib, measure.rss_kib(p.pid))
         time.sleep(0.05)
     elapsed = time.perf_counter() - began
     if any(p.returncode for p in procs):

@@ -26,36 +26,31 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import psycopg
 import sqlalchemy as sa
-
-PG_URL = os.environ.get(
-    "AGENTBUS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+from measure import (
+    Figures,
+    consume,
+    count_rows,
+    execute,
+    expect_zero,
+    installed,
+    module,
+    pg_database,
+    rate,
 )
+
 BIN = Path(sys.executable).parent
-
-
-@dataclass(frozen=True)
-class Figures:
-    drain: float  # tasks/s
-    cpu_ms: float  # consumer CPU per task
-    rss_mib: float  # peak RSS of one consumer process
-    single: float | None = None  # enqueues/s, one per call
-    batch: float | None = None  # enqueues/s, 500 per call
 
 
 @dataclass(frozen=True)
@@ -64,114 +59,6 @@ class Peer:
     label: str
     cycle: Callable[[int, int, int], Figures]  # (tasks, processes, single enqueues)
     missing: str | None = None  # why it cannot run here
-
-
-def installed(*modules: str) -> bool:
-    try:
-        for module in modules:
-            __import__(module)
-    except ImportError:
-        return False
-    return True
-
-
-@contextmanager
-def pg_database() -> Iterator[str]:
-    """A fresh Postgres database (libpq conninfo), dropped afterwards."""
-    name = f"agentbus_cmp_{uuid.uuid4().hex[:8]}"
-    admin = sa.make_url(PG_URL).set(drivername="postgresql").render_as_string(False)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    try:
-        yield sa.make_url(admin).set(database=name).render_as_string(False)
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
-def _module(workdir: Path, source: str) -> Path:
-    path = workdir / f"cmp_{uuid.uuid4().hex[:6]}.py"
-    path.write_text(textwrap.dedent(source))
-    return path
-
-
-def rss_kib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def _descendants(pid: int) -> list[int]:
-    found, stack = [], [pid]
-    while stack:
-        parent = stack.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{tid}/children") as fh:
-                    kids = [int(k) for k in fh.read().split()]
-            except OSError:
-                kids = []
-            found += kids
-            stack += kids
-    return found
-
-
-def consume(
-    argv: list[str],
-    procs: int,
-    tasks: int,
-    *,
-    cwd: Path | None = None,
-    env: dict[str, str] | None = None,
-    drained: Callable[[], bool] | None = None,
-) -> Figures:
-    """Start ``procs`` consumers; time them until they exit (or until ``drained()``,
-    then stop them), with their CPU and one process's peak RSS."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    began = time.perf_counter()
-    children = [
-        subprocess.Popen(
-            argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        for _ in range(procs)
-    ]
-    peak_kib = 0
-    try:
-        while True:
-            for child in children:
-                for pid in (child.pid, *_descendants(child.pid)):
-                    peak_kib = max(peak_kib, rss_kib(pid))
-            if drained is None and all(c.poll() is not None for c in children):
-                break
-            if drained is not None and drained():
-                break
-            if any(c.poll() not in (None, 0) for c in children):
-                raise RuntimeError(f"a consumer failed: {argv}")
-            time.sleep(0.05)
-        seconds = time.perf_counter() - began
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.terminate()
-            child.wait(timeout=60)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return Figures(tasks / seconds, cpu / tasks * 1000, peak_kib / 1024)
-
-
-def rate(n: int, work: Callable[[], object]) -> float:
-    began = time.perf_counter()
-    work()
-    return n / (time.perf_counter() - began)
 
 
 # -- agentbus ------------------------------------------------------------------
@@ -188,21 +75,17 @@ def agentbus(backend: str, batch: int) -> Callable[[int, int, int], Figures]:
             db = Database(url)
             migrate(db)
             agent = f"cmp{uuid.uuid4().hex[:6]}"
-            with AgentBus(url) as bus:
+            with AgentBus(url) as bus:  # under an agent of their own: not part of the drain
                 one = rate(
                     single,
-                    lambda: [bus.enqueue(agent, "t", models=["sim/noop"]) for _ in range(single)],
+                    lambda: [
+                        bus.enqueue(f"{agent}-single", "t", models=["sim/noop"])
+                        for _ in range(single)
+                    ],
                 )
             queue = TaskQueue(db)
             specs = [TaskSpec(agent=agent, command="t", models=("sim/noop",))] * 500
             many = rate(tasks, lambda: [queue.enqueue_many(specs) for _ in range(tasks // 500)])
-            with db.engine.begin() as conn:  # the single enqueues are not part of the drain
-                conn.exec_driver_sql(
-                    "DELETE FROM bus_commands WHERE id <= ?"
-                    if backend == "sqlite"
-                    else "DELETE FROM bus_commands WHERE id <= %(n)s",
-                    (single,) if backend == "sqlite" else {"n": single},
-                )
             db.dispose()
             argv = [str(BIN / "worker"), "--agent", agent, "--db", url, "--drain"]
             figures = consume([*argv, "--batch", str(batch)], procs, tasks)
@@ -227,7 +110,7 @@ def _agentbus_database(backend: str) -> Iterator[str]:
 def huey_sqlite(tasks: int, procs: int, single: int) -> Figures:
     """huey's SQLite storage, ``huey_consumer -k process -w P`` (fsync=True)."""
     workdir = Path(tempfile.mkdtemp(prefix="cmp-huey-"))
-    mod = _module(
+    mod = module(
         workdir,
         f"""
         from huey import SqliteHuey
@@ -266,7 +149,7 @@ def procrastinate_pg(tasks: int, procs: int, single: int) -> Figures:
     """procrastinate with its psycopg connector, P ``run_worker(wait=False)`` processes."""
     workdir = Path(tempfile.mkdtemp(prefix="cmp-procrastinate-"))
     with pg_database() as conninfo:
-        mod = _module(
+        mod = module(
             workdir,
             f"""
             from procrastinate import App, PsycopgConnector
@@ -287,7 +170,7 @@ def procrastinate_pg(tasks: int, procs: int, single: int) -> Figures:
             with app.app.open():
                 app.app.schema_manager.apply_schema()
                 one = rate(single, lambda: [app.noop.defer() for _ in range(single)])
-                _execute(conninfo, "DELETE FROM procrastinate_jobs")
+                execute(conninfo, "DELETE FROM procrastinate_jobs")
                 batch = [{}] * 500
                 many = rate(
                     tasks, lambda: [app.noop.batch_defer(*batch) for _ in range(tasks // 500)]
@@ -296,9 +179,7 @@ def procrastinate_pg(tasks: int, procs: int, single: int) -> Figures:
         finally:
             sys.path.remove(str(workdir))
             shutil.rmtree(workdir, ignore_errors=True)
-        _expect_zero(
-            conninfo, "SELECT count(*) FROM procrastinate_jobs WHERE status <> 'succeeded'"
-        )
+        expect_zero(conninfo, "SELECT count(*) FROM procrastinate_jobs WHERE status <> 'succeeded'")
     return Figures(figures.drain, figures.cpu_ms, figures.rss_mib, one, many)
 
 
@@ -307,7 +188,7 @@ def pgqueuer_pg(tasks: int, procs: int, single: int) -> Figures:
     claiming and acknowledging in batches of 10 (its default)."""
     workdir = Path(tempfile.mkdtemp(prefix="cmp-pgqueuer-"))
     with pg_database() as conninfo:
-        mod = _module(
+        mod = module(
             workdir,
             f"""
             import asyncio, json, sys, time
@@ -353,7 +234,7 @@ def pgqueuer_pg(tasks: int, procs: int, single: int) -> Figures:
         finally:
             sys.path.remove(str(workdir))
             shutil.rmtree(workdir, ignore_errors=True)
-        _expect_zero(conninfo, "SELECT count(*) FROM pgqueuer")
+        expect_zero(conninfo, "SELECT count(*) FROM pgqueuer")
     return Figures(figures.drain, figures.cpu_ms, figures.rss_mib, one, many)
 
 
@@ -406,7 +287,7 @@ def oban_pg(tasks: int, procs: int, single: int) -> Figures:
     assert python is not None
     workdir = Path(tempfile.mkdtemp(prefix="cmp-oban-"))
     with pg_database() as conninfo:
-        mod = _module(
+        mod = module(
             workdir,
             f"""
             import asyncio, json, sys, time
@@ -466,27 +347,10 @@ def oban_pg(tasks: int, procs: int, single: int) -> Figures:
             procs,
             tasks,
             cwd=workdir,
-            drained=lambda: _count(conninfo, OBAN_LEFT) == 0,
+            drained=lambda: count_rows(conninfo, OBAN_LEFT) == 0,
         )
         shutil.rmtree(workdir, ignore_errors=True)
     return Figures(figures.drain, figures.cpu_ms, figures.rss_mib, one, many)
-
-
-def _execute(conninfo: str, sql: str) -> None:
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        conn.execute(sql)
-
-
-def _count(conninfo: str, sql: str) -> int:
-    with psycopg.connect(conninfo) as conn:
-        row = conn.execute(sql).fetchone()
-    return int(row[0]) if row is not None else -1
-
-
-def _expect_zero(conninfo: str, sql: str) -> None:
-    """The run counts only if the queue was really drained."""
-    if _count(conninfo, sql) != 0:
-        raise RuntimeError(f"queue not drained: {sql}")
 
 
 # -- side by side --------------------------------------------------------------
@@ -494,37 +358,26 @@ def _expect_zero(conninfo: str, sql: str) -> None:
 
 def peers(backends: list[str]) -> list[Peer]:
     """The queues to run, agentbus first on each backend."""
+    bench_extra = "pip install -e .[bench]"
+
+    def needs(*modules: str) -> str | None:
+        return None if installed(*modules) else bench_extra
+
+    table: dict[str, list[tuple[str, Callable[[int, int, int], Figures], str | None]]] = {
+        "sqlite": [("huey (SqliteHuey, 2 process workers)", huey_sqlite, needs("huey"))],
+        "postgresql": [
+            ("pgqueuer (asyncpg, batch 10)", pgqueuer_pg, needs("pgqueuer", "asyncpg")),
+            ("oban-py (queue limit 10)", oban_pg, oban_python()[1]),
+            ("procrastinate (concurrency 1)", procrastinate_pg, needs("procrastinate")),
+        ],
+    }
     out: list[Peer] = []
-    if "sqlite" in backends:
+    for backend in (b for b in ("sqlite", "postgresql") if b in backends):
         out += [
-            Peer("sqlite", "agentbus worker, batch 1 (default)", agentbus("sqlite", 1)),
-            Peer("sqlite", "agentbus worker, --batch 10", agentbus("sqlite", 10)),
-            Peer(
-                "sqlite",
-                "huey (SqliteHuey, 2 process workers)",
-                huey_sqlite,
-                None if installed("huey") else "pip install -e .[bench]",
-            ),
+            Peer(backend, "agentbus worker, batch 1 (default)", agentbus(backend, 1)),
+            Peer(backend, "agentbus worker, --batch 10", agentbus(backend, 10)),
         ]
-    if "postgresql" in backends:
-        _, no_oban = oban_python()
-        out += [
-            Peer("postgresql", "agentbus worker, batch 1 (default)", agentbus("postgresql", 1)),
-            Peer("postgresql", "agentbus worker, --batch 10", agentbus("postgresql", 10)),
-            Peer(
-                "postgresql",
-                "pgqueuer (asyncpg, batch 10)",
-                pgqueuer_pg,
-                None if installed("pgqueuer", "asyncpg") else "pip install -e .[bench]",
-            ),
-            Peer("postgresql", "oban-py (queue limit 10)", oban_pg, no_oban),
-            Peer(
-                "postgresql",
-                "procrastinate (concurrency 1)",
-                procrastinate_pg,
-                None if installed("procrastinate") else "pip install -e .[bench]",
-            ),
-        ]
+        out += [Peer(backend, label, run, missing) for label, run, missing in table[backend]]
     return out
 
 

@@ -46,11 +46,14 @@ def steady_state(url: str, tasks: int, batch: int) -> dict[str, float]:
     return _postgres(url, agent, tasks, batch)
 
 
-def _loop(queue: TaskQueue, agent: str, batch: int) -> int:
+def steady_loop(queue: TaskQueue, agent: str, worker: str, batch: int, *, routes: bool) -> int:
+    """As a worker does: acknowledge the last claim's no-op tasks with the next claim,
+    until the queue is empty (``routes``: each with the routing row of its one call).
+    Returns how many were completed."""
     acks: list[Settlement] = []
     done = 0
     while True:
-        _, claimed = queue.settle_and_claim(acks, agent, "counter", 60, batch)
+        _, claimed = queue.settle_and_claim(acks, agent, worker, 60, batch)
         done += len(acks)
         if not claimed:
             return done
@@ -59,23 +62,25 @@ def _loop(queue: TaskQueue, agent: str, batch: int) -> int:
             Settlement(
                 t.id,
                 t.claim_token,
-                Complete("ok", "sim/noop"),
-                [
-                    Route(
-                        t.id,
-                        t.claim_token,
-                        agent,
-                        "sim/noop",
-                        "call",
-                        now,
-                        worker="counter",
-                        outcome="ok",
-                        provider="sim",
-                    )
-                ],
+                Complete("ok", "sim/noop") if routes else Complete(None),
+                [_call(t, agent, worker, now)] if routes else [],
             )
             for t in claimed
         ]
+
+
+def _call(task: Any, agent: str, worker: str, at: float) -> Route:
+    return Route(
+        task.id,
+        task.claim_token,
+        agent,
+        "sim/noop",
+        "call",
+        at,
+        worker=worker,
+        outcome="ok",
+        provider="sim",
+    )
 
 
 def _sqlite(url: str, agent: str, tasks: int, batch: int) -> dict[str, float]:
@@ -86,7 +91,7 @@ def _sqlite(url: str, agent: str, tasks: int, batch: int) -> dict[str, float]:
     def _trace(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
         dbapi_conn.set_trace_callback(lambda sql: seen.update([sql.split(None, 1)[0].upper()]))
 
-    done = _loop(TaskQueue(db), agent, batch)
+    done = steady_loop(TaskQueue(db), agent, "counter", batch, routes=True)
     db.dispose()
     assert done == tasks, (done, tasks)
     for pragma in ("PRAGMA",):  # the connection's set-up, once
@@ -115,7 +120,7 @@ def _postgres(url: str, agent: str, tasks: int, batch: int) -> dict[str, float]:
                 psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE
             )
 
-        done = _loop(TaskQueue(db), agent, batch)
+        done = steady_loop(TaskQueue(db), agent, "counter", batch, routes=True)
         db.dispose()  # the backends exit: their statistics are flushed
         sent: Counter[str] = Counter()
         for fh in traces:

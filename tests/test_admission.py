@@ -10,11 +10,12 @@ import pytest
 import sqlalchemy as sa
 
 from agentbus.admission import usage
-from agentbus.admission.admission import LOCK_CLASS, Admissible, Admission, Permit, lock_gates
+from agentbus.admission.admission import Admissible, Admission, Permit
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import Code, Refusal
 from agentbus.admission.limits import Limits
 from agentbus.admission.routing import Candidate, Route
+from agentbus.admission.slots import LOCK_CLASS, lock_gates
 from agentbus.config import Config, load_config
 from agentbus.db import Database
 from agentbus.providers.outcomes import Failed, RateLimited, Succeeded

@@ -18,7 +18,7 @@ limited gate and takes the slot (Postgres: under one advisory lock, SQLite:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -30,8 +30,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from agentbus import masking
+from agentbus.admission import slots
 from agentbus.admission.budget import ClientBudget, Reserve, WorkspaceBudget
-from agentbus.admission.circuit import COUNT_SUCCESS, END_RUN, CircuitStore
+from agentbus.admission.circuit import CircuitStore
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import (
     SLOT_CODES,
@@ -51,74 +52,9 @@ from agentbus.config import Config, LiveConfig, Settings
 from agentbus.db import Database, prepared
 from agentbus.logging import get_logger
 from agentbus.providers.outcomes import AuthFailed, Outcome, RateLimited, TimedOut, Usage
-from agentbus.schema import account_state, call_slots, circuit_calls
+from agentbus.schema import account_state, call_slots
 
 log = get_logger("agentbus.admission")
-#: PostgreSQL: an admission holds a transaction lock on each gate it counts (the
-#: class "admi", the gate's name hashed), so admissions through different
-#: providers, accounts, bulkheads and agents never wait for each other.
-LOCK_CLASS = 0x61646D69
-# One round trip for all of them, taken in the array's order (a function scan's).
-_KEYS = (
-    sa.func.unnest(sa.bindparam("p_keys", type_=postgresql.ARRAY(sa.Text)))
-    .table_valued("k", with_ordinality="i")
-    .render_derived(name="u")
-)
-_LOCK = sa.select(
-    sa.func.count(
-        sa.func.pg_advisory_xact_lock(
-            sa.bindparam("p_lock_class", type_=sa.Integer), sa.func.hashtext(_KEYS.c.k)
-        )
-    )
-)
-
-
-#: Take a slot (the values: bind parameters named after the columns); returns its id.
-_TAKE_SLOT = (
-    sa.insert(call_slots)
-    .values(
-        {
-            name: sa.bindparam(name, type_=call_slots.c[name].type)
-            for name in (
-                "provider",
-                "account",
-                "model",
-                "agent",
-                "bulkhead",
-                "task_id",
-                "worker",
-                "admitted_at",
-                "lease_until",
-            )
-        }
-    )
-    .returning(call_slots.c.id)
-)
-#: Give a slot back. No row matched: the lease ran out and the sweeper purged it.
-_RELEASE_SLOT = (
-    sa.update(call_slots)
-    .where(
-        call_slots.c.id == sa.bindparam("p_id", type_=sa.BigInteger),
-        call_slots.c.released_at.is_(None),
-    )
-    .values(released_at=sa.bindparam("p_now", type_=sa.Float))
-)
-
-#: PostgreSQL: a slot given back and a successful call counted in its circuit
-#: (``circuit.COUNT_SUCCESS``, ``circuit.END_RUN``), in one statement.
-_RELEASE_AND_COUNT_SUCCESS_POSTGRES = END_RUN.add_cte(
-    _RELEASE_SLOT.returning(call_slots.c.id).cte("released"),
-    COUNT_SUCCESS.returning(circuit_calls.c.id).cte("counted"),
-)
-
-
-def lock_gates(conn: Connection, keys: Iterable[str]) -> None:
-    """Lock the gates ``keys`` until the transaction ends (PostgreSQL; SQLite's one writer
-    at a time serializes already). Always in sorted order: two admissions never deadlock."""
-    wanted = sorted(set(keys))
-    if wanted and conn.dialect.name == "postgresql":
-        lock = prepared(conn.dialect, _LOCK)
-        lock.execute(conn, {"p_lock_class": LOCK_CLASS, "p_keys": wanted}).fetchall()
 
 
 @dataclass(eq=False)
@@ -347,7 +283,7 @@ class Admission:
     ) -> Permit | Refusal | Admissible:
         if take:
             circuit = [f"circuit:{c.provider}"] if "circuit" in gates else []
-            lock_gates(conn, [*limits.lock_keys(c, agent), *circuit])
+            slots.lock_gates(conn, [*limits.lock_keys(c, agent), *circuit])
         now = self.clock()
         recheck = now + self.settings.admission_recheck_sec
         refusals, rooms = limits.check(conn, c, agent, now, gates, take=take, recheck=recheck)
@@ -371,7 +307,7 @@ class Admission:
             return Refusal(Code.CIRCUIT_OPEN, recheck, detail, "circuit", gates)
         slot_id = None
         if limits.slot:
-            slot = prepared(conn.dialect, _TAKE_SLOT)
+            slot = prepared(conn.dialect, slots.TAKE)
             params = {
                 "provider": c.provider,
                 "account": c.account,
@@ -440,18 +376,18 @@ class Admission:
         }
         if success and permit.slot_id is not None and self.db.dialect == "postgresql":
             # The common case in one statement, its own transaction: one round trip.
-            both = prepared(self.db.engine.dialect, _RELEASE_AND_COUNT_SUCCESS_POSTGRES)
+            both = prepared(self.db.engine.dialect, slots.RELEASE_AND_COUNT_SUCCESS_POSTGRES)
             self.db.write_one(lambda conn: both.execute(conn, params))
             return
 
         def work(conn: Connection) -> None:
             if permit.slot_id is not None:
                 # No row matched: the lease ran out and the sweeper purged it: nothing to give.
-                prepared(conn.dialect, _RELEASE_SLOT).execute(conn, params)
+                prepared(conn.dialect, slots.RELEASE).execute(conn, params)
             if success:
                 self.circuits.count_success(conn, provider, now)
             elif failed is not None:
-                lock_gates(conn, [f"circuit:{c.provider}"])
+                slots.lock_gates(conn, [f"circuit:{c.provider}"])
                 self.circuits.count(conn, provider, failed=failed, probe=permit.probe, now=now)
 
         self.db.write(work)

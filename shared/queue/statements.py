@@ -11,6 +11,7 @@ Parameters: ``p_id``, ``p_token``, ``p_now`` always; per action the ones its
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +22,7 @@ from sqlalchemy.sql.dml import Update
 from agentbus.queue.decisions import Complete, Crash, Decision, Fail, Pause, Release, Requeue
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.schema import bus_commands as t
-from agentbus.schema import task_events
+from agentbus.schema import route_log, task_events
 
 
 def _p(name: str, type_: Any = sa.Text) -> Any:
@@ -168,6 +169,7 @@ HAS_DUE = (
 )
 
 
+@functools.cache
 def claim_statement(dialect: str) -> Update:
     """Claim up to ``p_limit`` due queued tasks of ``p_agent`` in one statement."""
     picked = (
@@ -280,6 +282,8 @@ def insert_all(table: sa.Table) -> sa.Insert:
 
 #: One event row (``events.event``).
 INSERT_EVENT = insert_all(task_events)
+#: One routing row (``Route.row``).
+INSERT_ROUTE = insert_all(route_log)
 
 #: The columns an enqueue writes (``TaskQueue._row``).
 ENQUEUED_COLUMNS = (

@@ -15,6 +15,7 @@ compiled once (``agentbus.db.Prepared``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,17 +25,17 @@ from sqlalchemy.engine import Connection
 
 from agentbus.admission import usage
 from agentbus.admission.gates import day_of
-from agentbus.db import Database, Prepared
+from agentbus.db import Database, prepared
 from agentbus.queue import events
 from agentbus.queue.decisions import Complete, Settlement
 from agentbus.queue.statements import (
     COMPLETE_MANY_POSTGRES,
     INSERT_EVENT,
+    INSERT_ROUTE,
     P_NOW,
     P_WORKER,
     SETTLE,
     claim_statement,
-    insert_all,
     settle_params,
 )
 from agentbus.queue.states import TaskStatus
@@ -54,6 +55,7 @@ def _recordset(name: str, table: sa.Table, extra: Sequence[sa.ColumnClause[Any]]
     )
 
 
+@functools.cache
 def ack_and_claim_postgres() -> sa.Select[Any]:
     """PostgreSQL: the steady state in one statement.
 
@@ -118,20 +120,11 @@ def ack_and_claim_postgres() -> sa.Select[Any]:
 
 
 class SteadyState:
-    """``run``: settle completions and claim, compiled for one database."""
+    """``run``: settle completions and claim, on one database."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
-        dialect = db.engine.dialect
         self.postgres = db.dialect == "postgresql"
-        if self.postgres:
-            self._both = Prepared(ack_and_claim_postgres(), dialect)
-        else:
-            self._complete = Prepared(SETTLE["complete"], dialect)
-            self._claim = Prepared(claim_statement(db.dialect), dialect)
-            self._events = Prepared(INSERT_EVENT, dialect)
-            self._routes = Prepared(insert_all(route_log), dialect)
-            self._usage = Prepared(usage.upsert(db.dialect), dialect)
 
     def run(
         self,
@@ -171,7 +164,8 @@ class SteadyState:
             "p_events": [events.for_settlement(a, worker, now) for a in acks],
             "p_routes": [{**r.row(), "day": day_of(r.at)} for a in acks for r in a.routes],
         }
-        rows = self._both.rows(self._both.execute(conn, params))
+        both = prepared(conn.dialect, ack_and_claim_postgres())
+        rows = both.rows(both.execute(conn, params))
         acked = set(rows[0]["acked"] or ())
         return acked, [row for row in rows if row["id"] is not None]
 
@@ -179,13 +173,15 @@ class SteadyState:
         self, conn: Connection, acks: Sequence[Settlement], claim: dict[str, Any]
     ) -> tuple[set[int], list[dict[str, Any]]]:
         now, worker = claim["p_now"], claim["p_worker"]
+        complete = prepared(conn.dialect, SETTLE["complete"])
+        claiming = prepared(conn.dialect, claim_statement("sqlite"))
         done = []
         for a in acks:
             params = {"p_id": a.task_id, "p_token": a.token, "p_now": now}
             params.update((k, events.storable(v)) for k, v in settle_params(a.decision)[1].items())
-            if self._complete.execute(conn, params).rowcount == 1:
+            if complete.execute(conn, params).rowcount == 1:
                 done.append(a)
-        rows = self._claim.rows(self._claim.execute(conn, claim)) if claim["p_limit"] else []
+        rows = claiming.rows(claiming.execute(conn, claim)) if claim["p_limit"] else []
         moves = [events.for_settlement(a, worker, now) for a in done]
         moves.extend(
             events.event(
@@ -199,8 +195,8 @@ class SteadyState:
             )
             for row in rows
         )
-        self._events.execute_many(conn, moves)
+        prepared(conn.dialect, INSERT_EVENT).execute_many(conn, moves)
         routes = [r for a in done for r in a.routes]
-        self._routes.execute_many(conn, [r.row() for r in routes])
-        self._usage.execute_many(conn, usage.rows(routes))
+        prepared(conn.dialect, INSERT_ROUTE).execute_many(conn, [r.row() for r in routes])
+        prepared(conn.dialect, usage.upsert("sqlite")).execute_many(conn, usage.rows(routes))
         return {a.task_id for a in done}, rows

@@ -49,11 +49,6 @@ from agentbus.schema import idempotency_keys as keys
 
 QUEUED = TaskStatus.QUEUED
 
-
-def _json_or_none(value: Any) -> str | None:
-    return None if value is None else json.dumps(value)
-
-
 __all__ = ["Clock", "Enqueued", "Settlement", "TaskQueue"]
 
 
@@ -383,3 +378,7 @@ class TaskQueue(SweepOps):
     def get(self, task_id: int) -> Task:
         """The task as stored now (raises TaskNotFound)."""
         return reads.get_task(self.db, task_id)
+
+
+def _json_or_none(value: Any) -> str | None:
+    return None if value is None else json.dumps(value)

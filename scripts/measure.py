@@ -1,0 +1,157 @@
+"""Measuring a queue's consumers and producers, for scripts/compare.py: time, CPU
+(the kernel's accounting of reaped children), peak RSS (sampled from /proc), and
+a throwaway PostgreSQL database per run."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import textwrap
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import sqlalchemy as sa
+
+PG_URL = os.environ.get(
+    "AGENTBUS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+
+
+@dataclass(frozen=True)
+class Figures:
+    drain: float  # tasks/s
+    cpu_ms: float  # consumer CPU per task
+    rss_mib: float  # peak RSS of one consumer process
+    single: float | None = None  # enqueues/s, one per call
+    batch: float | None = None  # enqueues/s, 500 per call
+
+
+def installed(*modules: str) -> bool:
+    try:
+        for module in modules:
+            __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+@contextmanager
+def pg_database() -> Iterator[str]:
+    """A fresh Postgres database (libpq conninfo), dropped afterwards."""
+    name = f"agentbus_cmp_{uuid.uuid4().hex[:8]}"
+    admin = sa.make_url(PG_URL).set(drivername="postgresql").render_as_string(False)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    try:
+        yield sa.make_url(admin).set(database=name).render_as_string(False)
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def module(workdir: Path, source: str) -> Path:
+    path = workdir / f"cmp_{uuid.uuid4().hex[:6]}.py"
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def rss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _descendants(pid: int) -> list[int]:
+    found, stack = [], [pid]
+    while stack:
+        parent = stack.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as fh:
+                    kids = [int(k) for k in fh.read().split()]
+            except OSError:
+                kids = []
+            found += kids
+            stack += kids
+    return found
+
+
+def consume(
+    argv: list[str],
+    procs: int,
+    tasks: int,
+    *,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    drained: Callable[[], bool] | None = None,
+) -> Figures:
+    """Start ``procs`` consumers; time them until they exit (or until ``drained()``,
+    then stop them), with their CPU and one process's peak RSS."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    began = time.perf_counter()
+    children = [
+        subprocess.Popen(
+            argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        for _ in range(procs)
+    ]
+    peak_kib = 0
+    try:
+        while True:
+            for child in children:
+                for pid in (child.pid, *_descendants(child.pid)):
+                    peak_kib = max(peak_kib, rss_kib(pid))
+            if drained is None and all(c.poll() is not None for c in children):
+                break
+            if drained is not None and drained():
+                break
+            if any(c.poll() not in (None, 0) for c in children):
+                raise RuntimeError(f"a consumer failed: {argv}")
+            time.sleep(0.05)
+        seconds = time.perf_counter() - began
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.terminate()
+            child.wait(timeout=60)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return Figures(tasks / seconds, cpu / tasks * 1000, peak_kib / 1024)
+
+
+def rate(n: int, work: Callable[[], object]) -> float:
+    began = time.perf_counter()
+    work()
+    return n / (time.perf_counter() - began)
+
+
+def execute(conninfo: str, sql: str) -> None:
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(sql)
+
+
+def count_rows(conninfo: str, sql: str) -> int:
+    with psycopg.connect(conninfo) as conn:
+        row = conn.execute(sql).fetchone()
+    return int(row[0]) if row is not None else -1
+
+
+def expect_zero(conninfo: str, sql: str) -> None:
+    """The run counts only if the queue was really drained."""
+    if count_rows(conninfo, sql) != 0:
+        raise RuntimeError(f"queue not drained: {sql}")
