@@ -7,6 +7,7 @@ import multiprocessing as mp
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -118,6 +119,38 @@ def test_refusals_in_nested_passes_are_one_batch_and_stay_visible(
     budget.begin_pass()
     assert budget.last_refused() == []  # cleared when the next pass begins
     budget.end_pass()
+
+
+def test_calls_of_one_process_share_its_hold_and_threads_have_passes_of_their_own(
+    db: Database, clock: FakeClock
+) -> None:
+    """A worker running several calls on one provider holds the name once, until the last
+    of them ends; each slot thread's refusals are a batch of its own."""
+    (budget,) = workspace_budget(db, "enforce", 1, "p1", clock=clock)
+    own = Settings(budget_mode="enforce", client_budget=1, no_workspace_budget=True)
+    session = client_budget(db, own, holder="p2")
+    for each in (budget, session):
+        assert each.try_reserve("sim") is Reserve.RESERVED
+        assert each.try_reserve("sim") is Reserve.ALREADY_HELD  # a second call, same process
+        assert each.release("sim") and each.reserved() == ["sim"]  # the other still runs
+        assert each.release("sim") and each.reserved() == []
+        assert not each.release("sim")
+    budget.try_reserve("held")
+    refused: list[list[str]] = []
+
+    def slot(name: str) -> None:
+        with budget.bulk_pass():
+            budget.try_reserve(name)
+            refused.append(budget.pending)
+
+    with budget.bulk_pass():  # this thread's pass stays open while the other's ends
+        budget.try_reserve("mine")
+        thread = threading.Thread(target=slot, args=("theirs",))
+        thread.start()
+        thread.join()
+        assert refused == [["theirs"]] and budget.pending == ["mine"]
+        assert [e["detail"]["names"] for e in events(db, "refused_batch")] == [["theirs"]]
+    assert [e["detail"]["names"] for e in events(db, "refused_batch")][-1] == ["mine"]
 
 
 def test_off_mode_does_nothing_and_session_scope_stays_in_the_process(db: Database) -> None:

@@ -10,6 +10,10 @@ processes never both warn. Refusals inside a bulk pass (nestable) become one
 ``refused_batch`` event from the outermost pass; the last refused names stay
 visible until the next pass begins.
 
+A worker running several tasks at once holds a name once for all of them: its
+hold goes back when the last of its calls on that provider ends. Each thread
+has bulk passes of its own.
+
 The mode and size are the workspace's too: workspace settings that ``busctl
 budget set`` writes and every process reads (again every ``refresh_sec``, so
 a change applies without a restart). Until set, the budget is ``off``. A
@@ -25,7 +29,9 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -143,8 +149,8 @@ def disagreement(settings: Settings, setting: BudgetSetting) -> str | None:
 
 
 class _Budget:
-    """What both budgets share: their settings, and this process's bulk passes (nesting
-    depth and the refusals they gathered)."""
+    """What both budgets share: their settings, and the bulk passes of each of this
+    process's threads (nesting depth and the refusals they gathered)."""
 
     scope = journal.WORKSPACE
 
@@ -159,8 +165,18 @@ class _Budget:
     ) -> None:
         check_budget_mode(mode, budget)
         self.db, self.mode, self.budget, self.holder, self.clock = db, mode, budget, holder, clock
-        self.depth = 0
-        self.pending: list[str] = []
+        self._passes = threading.local()  # depth, pending: one bulk pass per thread
+        self._guard = threading.Lock()  # this process's holds: counted, then written
+
+    @property
+    def depth(self) -> int:
+        return int(getattr(self._passes, "depth", 0))
+
+    @property
+    def pending(self) -> list[str]:
+        if not hasattr(self._passes, "pending"):
+            self._passes.pending = []
+        return list(self._passes.pending)
 
     def reserved(self) -> list[str]:
         raise NotImplementedError
@@ -188,20 +204,20 @@ class _Budget:
             self.end_pass()
 
     def begin_pass(self) -> None:
-        self.depth += 1
+        self._passes.depth = self.depth + 1
         if self.depth == 1:
-            self.pending = []
+            self._passes.pending = []
             self._pass_started()
 
     def end_pass(self) -> None:
-        self.depth = max(0, self.depth - 1)
+        self._passes.depth = max(0, self.depth - 1)
         if self.depth == 0 and self.pending:
-            names, self.pending = list(dict.fromkeys(self.pending)), []
+            names, self._passes.pending = list(dict.fromkeys(self.pending)), []
             self._emit_batch(names)
 
     def _refused(self, name: str) -> None:
         if self.depth > 0:
-            self.pending.append(name)
+            self._passes.pending.append(name)
         else:  # outside any pass: a batch of one, the same shape
             self._emit_batch([name])
 
@@ -228,7 +244,7 @@ class WorkspaceBudget(_Budget):
     ) -> None:
         super().__init__(db, mode="off", budget=0, holder=holder, clock=clock)
         self.refresh_sec = refresh_sec
-        self._mine: set[str] = set()  # names this process holds a row for
+        self._mine: Counter[str] = Counter()  # names this process holds a row for: its calls
         self.setting = BudgetSetting()
         self._read_at = -math.inf
         self.refresh(force=True)
@@ -283,22 +299,30 @@ class WorkspaceBudget(_Budget):
             self._hysteresis(conn, len(held) + 1, now, [*held, name])
             return Reserve.RESERVED
 
-        answer = self.db.write(work)
+        with self._guard:
+            answer = self.db.write(work)
+            if answer is not Reserve.REFUSED:
+                self._mine[name] += 1
         if answer is Reserve.REFUSED:
             self._refused(name)
-        else:
-            self._mine.add(name)
         return answer
 
     def release(self, name: str) -> bool:
         """Give ``name`` back (this process's hold on it); False if it held none.
 
         A name held before the mode became ``off`` goes back too; a name never
-        held costs no database write."""
-        if name not in self._mine:
-            return False
-        self._mine.discard(name)
+        held costs no database write, nor does one still in use by another of this
+        process's calls."""
+        with self._guard:
+            if self._mine[name] <= 0:
+                return False
+            self._mine[name] -= 1
+            if self._mine[name]:
+                return True
+            del self._mine[name]
+            return self._delete(name)
 
+    def _delete(self, name: str) -> bool:
         def work(conn: Connection) -> bool:
             self._lock(conn)
             now = self.clock()
@@ -431,31 +455,42 @@ class SessionBudget(_Budget):
         clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__(db, mode=mode, budget=budget, holder=holder, clock=clock)
-        self.held: set[str] = set()
+        self.held: Counter[str] = Counter()  # name -> this process's calls holding it
         self.armed = True
         self._last: list[str] = []
 
     def try_reserve(self, name: str, *, lease_sec: float = 3600.0) -> Reserve:
         if self.mode == "off":
             return Reserve.RESERVED
-        if name in self.held:
-            return Reserve.ALREADY_HELD
-        if self.mode == "enforce" and len(self.held) >= self.budget:
+        with self._guard:
+            if self.held[name]:
+                self.held[name] += 1
+                return Reserve.ALREADY_HELD
+            refused = self.mode == "enforce" and len(self.held) >= self.budget
+            if not refused:
+                self.held[name] = 1
+            full = self.budget > 0 and len(self.held) / self.budget >= WARN_FRACTION
+            warn = not refused and self.armed and full
+            if warn:
+                self.armed = False
+                names = sorted(self.held)
+                detail = {"reserved": len(names), "budget": self.budget, "names": names}
+        if refused:
             self._refused(name)
             return Reserve.REFUSED
-        self.held.add(name)
-        if self.budget > 0 and self.armed and len(self.held) / self.budget >= WARN_FRACTION:
-            self.armed = False
-            detail = {"reserved": len(self.held), "budget": self.budget, "names": sorted(self.held)}
+        if warn:
             self._emit("budget_warning", detail)
         return Reserve.RESERVED
 
     def release(self, name: str) -> bool:
-        if name not in self.held:
-            return False
-        self.held.discard(name)
-        if self.budget > 0 and len(self.held) / self.budget < REARM_FRACTION:
-            self.armed = True
+        with self._guard:
+            if not self.held[name]:
+                return False
+            self.held[name] -= 1
+            if not self.held[name]:
+                del self.held[name]
+            if self.budget > 0 and len(self.held) / self.budget < REARM_FRACTION:
+                self.armed = True
         return True
 
     def reserved(self) -> list[str]:

@@ -11,6 +11,7 @@ simulation script), which fails the task with that reason.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -24,23 +25,28 @@ if TYPE_CHECKING:
 class Providers:
     """Finds (and keeps) the provider that serves each model.
 
-    Given a ``LiveConfig``, a reloaded catalog makes the providers anew (the old
-    ones are closed) the next time a model is looked up.
+    Given a ``LiveConfig``, a reloaded catalog makes the providers anew the next
+    time a model is looked up. The old ones may still be in a call (a worker runs
+    several at once): they are retired, and closed by ``close_retired`` once the
+    worker has no call running, or by ``close``. Safe to share between threads.
     """
 
     def __init__(self, catalog: Catalog | LiveConfig, environ: Mapping[str, str]) -> None:
         self._source = catalog
         self.environ = environ
         self._made: dict[str, Provider] = {}
+        self._retired: list[Provider] = []
         self._made_for = catalog if isinstance(catalog, Catalog) else catalog.catalog
+        self._lock = threading.Lock()
 
     @property
     def catalog(self) -> Catalog:
         source = self._source
         catalog = source if isinstance(source, Catalog) else source.catalog
-        if catalog is not self._made_for and self._made:
-            self.close()  # made from a catalog that was replaced since
-        self._made_for = catalog
+        if catalog is not self._made_for:
+            with self._lock:  # made from a catalog that was replaced since
+                self._retired.extend(self._made.values())
+                self._made, self._made_for = {}, catalog
         return catalog
 
     def for_model(self, model: str) -> tuple[Provider, str]:
@@ -60,9 +66,13 @@ class Providers:
                 script_for(payload, model)
 
     def _get(self, name: str, make: Any) -> Provider:
-        if name not in self._made:
-            self._made[name] = make(name)
-        return self._made[name]
+        made = self._made.get(name)
+        if made is None:
+            with self._lock:
+                made = self._made.get(name)
+                if made is None:
+                    made = self._made[name] = make(name)
+        return made
 
     def _simulated(self, _name: str) -> Provider:
         from agentbus.providers.simulated import SimulatedProvider
@@ -79,9 +89,21 @@ class Providers:
 
         return CommandProvider(config, self.environ)
 
+    def close_retired(self) -> None:
+        """Close the providers of a replaced catalog (call when none is in a call)."""
+        with self._lock:
+            retired, self._retired = self._retired, []
+        _close(retired)
+
     def close(self) -> None:
-        made, self._made = self._made, {}
-        for provider in made.values():
-            close = getattr(provider, "close", None)
-            if close is not None:
-                close()
+        with self._lock:
+            made, self._made = [*self._retired, *self._made.values()], {}
+            self._retired = []
+        _close(made)
+
+
+def _close(providers: list[Provider]) -> None:
+    for provider in providers:
+        close = getattr(provider, "close", None)
+        if close is not None:
+            close()
