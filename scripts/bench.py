@@ -29,6 +29,11 @@ Workload (per backend):
   (each still a guarded UPDATE plus its event row).
   The rate is T divided by the time from "go" to the last process finishing.
 
+- many calls from one process: 200 tasks whose call takes 2 s, drained by one
+  worker with --concurrency 1, 16 and 64, and by 16 single-slot workers: wall
+  time, tasks/s against the ideal, peak RSS, connections held
+  (scripts/concurrency_bench.py).
+
 - start-up: each console command run 10 times from exec to exit (--help,
   --version, an enqueue and a status on SQLite); median and max.
 
@@ -59,6 +64,7 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import compare
+import concurrency_bench
 import counting
 import measure
 import psycopg
@@ -376,6 +382,13 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     rows += bench_wakeup_latency(url, args.sqlite_synchronous)
     rows += bench_fleet_admission(url)
     rows += counting.rows(url)
+    if args.concurrency_tasks:
+        levels = [int(n) for n in args.concurrency_levels.split(",")]
+        for label, *figures in concurrency_bench.rows(
+            url, args.concurrency_tasks, 2000, levels, 16
+        ):
+            measure_ = f"{args.concurrency_tasks} calls of 2 s: {label}"
+            rows.append((measure_, "wall {}, tasks/s {}, RSS {}, {} connections".format(*figures)))
     for batch in (int(b) for b in args.batches.split(",")):
         for procs in (int(p) for p in args.processes.split(",")):
             rate = throughput(url, args.sqlite_synchronous, procs, batch, args.tasks)
@@ -393,6 +406,10 @@ def main() -> None:
     parser.add_argument("--paused", default="10000,100000", help="paused tasks per sweep pass")
     parser.add_argument("--admissions", type=int, default=1000, help="admissions timed")
     parser.add_argument("--sqlite-synchronous", default="FULL")
+    parser.add_argument(
+        "--concurrency-tasks", type=int, default=200, help="tasks of 2 s per run (0 skips)"
+    )
+    parser.add_argument("--concurrency-levels", default="1,16,64", help="--concurrency runs")
     parser.add_argument("--startup-runs", type=int, default=10, help="runs per start-up figure")
     parser.add_argument("--startup-only", action="store_true", help="only the start-up table")
     parser.add_argument(

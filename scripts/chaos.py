@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Chaos run: SIGKILL random workers while they work, then prove nothing was lost.
 
-3 agents x 2 worker processes and a sweeper run with a short lease and short
+3 agents x 2 worker processes (one task at a time, three per claim, or eight at
+once in slot threads, in turn) and a sweeper run with a short lease and short
 cooldowns over a few thousand tasks with mixed simulated outcomes (ok with
 latency, rate-limit windows with and without a fallback, timeouts, retryable
 and permanent errors). For ``--duration`` seconds a random worker is killed
@@ -44,6 +45,7 @@ from agentbus.schema import bus_commands, task_events
 
 AGENTS = ("codex", "analyst", "ron")
 WORKERS_PER_AGENT = 2
+MODES = (["--batch", "1"], ["--batch", "3"], ["--concurrency", "8"])
 SETTINGS = {  # short everything, through the ordinary settings
     "AGENTBUS_LEASE_SEC": "2",
     "AGENTBUS_MODEL_COOLDOWN_SEC": "1",
@@ -216,14 +218,16 @@ def run(
     }
     sweeper = _spawn("sweeper", [], env, workdir / "sweeper.log")
 
-    def start(agent: str) -> subprocess.Popen[bytes]:
-        # Half the workers claim one task at a time, half three (batch acknowledgements).
-        batch = str(rng.choice([1, 3]))
-        return _spawn(
-            "worker", ["--agent", agent, "--batch", batch], env, workdir / f"worker-{agent}.log"
-        )
+    def start(slot: int) -> subprocess.Popen[bytes]:
+        # By slot, in turn: one task at a time, three per claim (batch acknowledgements),
+        # and eight at once in one process (slot threads); a killed worker's successor
+        # runs the same way.
+        agent = AGENTS[slot // WORKERS_PER_AGENT]
+        log = workdir / f"worker-{agent}.log"
+        return _spawn("worker", ["--agent", agent, *MODES[slot % len(MODES)]], env, log)
 
-    workers = [(agent, start(agent)) for agent in AGENTS for _ in range(WORKERS_PER_AGENT)]
+    workers = [start(slot) for slot in range(len(AGENTS) * WORKERS_PER_AGENT)]
+    eight_slots = [slot for slot in range(len(workers)) if "8" in MODES[slot % len(MODES)]]
     kills = 0
     say(
         f"{tasks} tasks, {len(workers)} workers and a sweeper; killing one every "
@@ -233,12 +237,14 @@ def run(
         ends = time.monotonic() + duration
         while time.monotonic() < ends:
             time.sleep(rng.uniform(0.5, 1.5) * kill_every)
-            index = rng.randrange(len(workers))
-            agent, victim = workers[index]
+            slot = rng.randrange(len(workers))
+            if kills % len(MODES) == 0:  # every third kill hits a worker of eight slots
+                slot = rng.choice(eight_slots)
+            victim = workers[slot]
             victim.send_signal(signal.SIGKILL)
             victim.wait()
             kills += 1
-            workers[index] = (agent, start(agent))
+            workers[slot] = start(slot)
         say(f"killed {kills} workers; letting the sweeper rescue and the queue settle")
         settle_ends = time.monotonic() + settle
         while time.monotonic() < settle_ends:
@@ -247,10 +253,10 @@ def run(
                 break
             time.sleep(0.5)
     finally:
-        for _, proc in workers:
+        for proc in workers:
             proc.send_signal(signal.SIGTERM)
         sweeper.send_signal(signal.SIGTERM)
-        for proc in [sweeper, *(p for _, p in workers)]:
+        for proc in [sweeper, *workers]:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

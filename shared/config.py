@@ -99,6 +99,11 @@ class Settings:
         "together (1: one at a time; more is faster for short tasks).",
         1,
     )
+    concurrency: int = _doc(
+        "Tasks a worker runs at once, each in a thread of its own (a model call mostly "
+        "waits on the network: 16 calls in flight need one process, not 16).",
+        1,
+    )
     sweep_interval_sec: float = _doc("How often the sweeper runs all of its jobs.", 60.0)
     sweep_peek_sec: float = _doc(
         "How often the sweeper looks for the earliest pending resume_after (cheap).", 2.0
@@ -241,9 +246,17 @@ class Settings:
         for name in ("config_max_bytes", "max_payload_bytes", "max_payload_depth"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name} must be at least 1")
-        for name in ("sweep_batch", "reentry_limit", "rescue_limit", "claim_batch"):
+        for name in ("sweep_batch", "reentry_limit", "rescue_limit", "claim_batch", "concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name} must be at least 1")
+        if self.concurrency > MAX_CONCURRENCY:
+            raise ConfigError(f"setting concurrency must be at most {MAX_CONCURRENCY}")
+        if self.concurrency > 1 and self.claim_batch > 1:
+            raise ConfigError(
+                f"settings claim_batch ({self.claim_batch}) and concurrency "
+                f"({self.concurrency}) cannot both be above 1: a worker running several "
+                "tasks at once claims for its free slots"
+            )
         for name in ("global_concurrency", "daily_token_budget", "daily_cost_budget"):
             if not getattr(self, name) >= 0 or not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"setting {name} must be 0 (no limit) or a positive number")
@@ -319,6 +332,8 @@ def check_budget_mode(mode: str, budget: int) -> None:
             "(--client-budget N or AGENTBUS_CLIENT_BUDGET)"
         )
 
+
+MAX_CONCURRENCY = 1000
 
 POSITIVE = (
     "lease_sec",

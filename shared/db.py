@@ -105,7 +105,9 @@ class Database:
         self.dialect = self.url.get_backend_name()
         self.retry_for = retry_for
         if self.dialect == "sqlite":
-            self.engine = _sqlite_engine(self.url, sqlite_busy_timeout_ms, sqlite_synchronous)
+            self.engine = _sqlite_engine(
+                self.url, sqlite_busy_timeout_ms, sqlite_synchronous, pool_size
+            )
         else:
             self.engine = sa.create_engine(self.url, pool_size=pool_size, max_overflow=pool_size)
         path = self.sqlite_path()
@@ -120,12 +122,15 @@ class Database:
             self._read_engine = self.engine.execution_options(agentbus_read_only=True)
 
     @classmethod
-    def from_settings(cls, settings: Any) -> Database:
+    def from_settings(cls, settings: Any, *, threads: int = 1) -> Database:
+        """The database of ``settings``, its pool sized for ``threads`` that use it at once
+        (besides a worker's watchdog and its claims)."""
         return cls(
             settings.database_url,
             retry_for=settings.db_retry_sec,
             sqlite_busy_timeout_ms=settings.sqlite_busy_timeout_ms,
             sqlite_synchronous=settings.sqlite_synchronous,
+            pool_size=pool_size_for(threads),
         )
 
     def __repr__(self) -> str:
@@ -407,8 +412,16 @@ def _log_retry(state: tenacity.RetryCallState) -> None:
     )
 
 
-def _sqlite_engine(url: URL, busy_timeout_ms: int, synchronous: str) -> Engine:
-    engine = sa.create_engine(url, connect_args={"timeout": busy_timeout_ms / 1000})
+def pool_size_for(threads: int) -> int:
+    """Connections kept for ``threads`` running tasks: a task holds one only while it
+    reads or writes (not during its model call), so past 16 they share."""
+    return max(5, min(threads, 16) + 2)
+
+
+def _sqlite_engine(url: URL, busy_timeout_ms: int, synchronous: str, pool_size: int) -> Engine:
+    in_memory = url.database in (None, "", ":memory:")  # one connection per thread anyway
+    pool = {} if in_memory else {"pool_size": pool_size, "max_overflow": pool_size}
+    engine = sa.create_engine(url, connect_args={"timeout": busy_timeout_ms / 1000}, **pool)
 
     @sa.event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: sqlite3.Connection, _record: Any) -> None:

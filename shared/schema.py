@@ -194,7 +194,9 @@ workers = sa.Table(
     sa.Column("heartbeat_at", Epoch, nullable=False),
     sa.Column("consecutive_failures", sa.Integer, nullable=False, server_default="0"),
     sa.Column("backoff_until", Epoch),
-    sa.Column("current_task", sa.BigInteger),
+    sa.Column("current_task", sa.BigInteger),  # the earliest claimed of ``running``
+    sa.Column("concurrency", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("running", sa.JSON),  # the ids of the tasks it is running
 )
 
 #: One row per model a worker considered for a task: skipped because it was

@@ -46,34 +46,47 @@ def test_short_chaos_run_loses_nothing(db_url: str, tmp_path: Path) -> None:
     assert sum(report.statuses.values()) == 300
 
 
+@pytest.mark.parametrize("slots", [1, 3])
 def test_a_worker_killed_mid_call_loses_nothing(
-    db_url: str, spawn: Callable[..., Proc], tmp_path: Path
+    db_url: str, spawn: Callable[..., Proc], tmp_path: Path, slots: int
 ) -> None:
     db = Database(db_url)
     queue = TaskQueue(db)
-    never = tmp_path / "never"  # the call waits for a file nobody creates
-    script = {"simulate": {"sim/a": {"wait_for": str(never)}}}
-    task_id = queue.enqueue(
-        TaskSpec(agent="codex", command="x", models=("sim/a",), payload=script)
-    ).id
+    nevers = [tmp_path / f"never{i}" for i in range(slots)]  # files nobody creates
+    ids = [
+        queue.enqueue(
+            TaskSpec(
+                agent="codex",
+                command="x",
+                models=("sim/a",),
+                payload={"simulate": {"sim/a": {"wait_for": str(never)}}},
+            )
+        ).id
+        for never in nevers
+    ]
     env = {"AGENTBUS_LEASE_SEC": "1", "AGENTBUS_SWEEP_INTERVAL_SEC": "0.5"}
-    doomed = spawn("worker", "--agent", "codex", "--db", db_url, env=env)
-    wait_until(lambda: Path(f"{never}.waiting").exists())  # in the middle of the call
-    first = queue.get(task_id)
-    assert first.status == "claimed"
+    argv = ["worker", "--agent", "codex", "--db", db_url, "--concurrency", str(slots)]
+    doomed = spawn(*argv, env=env)
+    # Every call in flight at once, in the one process.
+    wait_until(lambda: all(Path(f"{never}.waiting").exists() for never in nevers))
+    first = {task_id: queue.get(task_id) for task_id in ids}
+    assert {task.status for task in first.values()} == {"claimed"}
     doomed.popen.send_signal(signal.SIGKILL)
     doomed.wait()
     sweeper = spawn("sweeper", "--db", db_url, env=env)
-    wait_until(lambda: queue.get(task_id).status == "queued" and queue.get(task_id).rescue_count)
+    wait_until(
+        lambda: all(queue.get(i).status == "queued" and queue.get(i).rescue_count for i in ids)
+    )
     sweeper.signal(signal.SIGTERM)
     assert sweeper.wait() == 0
-    # The rescued task runs again elsewhere (at-least-once), under a new token.
+    # The rescued tasks run again elsewhere (at-least-once), under new tokens.
     with db.engine.begin() as conn:
         conn.exec_driver_sql("UPDATE bus_commands SET payload = NULL")
     rerun = spawn("worker", "--agent", "codex", "--db", db_url, "--drain")
     assert rerun.wait() == 0
-    done = queue.get(task_id)
-    assert done.status == "done" and done.claim_token == first.claim_token + 1
-    reasons = [e["reason"] for e in reads.task_events(db, task_id)]
-    assert reasons == ["enqueue", "claim", "lease expired", "claim", "done"]
+    for task_id in ids:
+        done = queue.get(task_id)
+        assert done.status == "done" and done.claim_token == first[task_id].claim_token + 1
+        reasons = [e["reason"] for e in reads.task_events(db, task_id)]
+        assert reasons == ["enqueue", "claim", "lease expired", "claim", "done"]
     db.dispose()

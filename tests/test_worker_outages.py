@@ -23,6 +23,7 @@ from agentbus.db import Database
 from agentbus.queue import TaskQueue, reads
 from agentbus.queue.tasks import TaskSpec
 from agentbus.worker.loop import Options, Worker
+from agentbus.worker.watchdog import Watchdog
 from tests.conftest import _pg_conninfo
 from tests.support import Proc, clean_env, wait_until
 
@@ -124,10 +125,10 @@ def test_the_watchdog_outlives_a_database_outage_and_nothing_runs_twice(
 def test_a_worker_whose_watchdog_ends_stops_and_exits_non_zero(
     db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(self: Worker) -> None:
+    def broken(self: Watchdog) -> None:
         raise RuntimeError("the watchdog's rounds ended")
 
-    monkeypatch.setattr(Worker, "_watch_rounds", broken)
+    monkeypatch.setattr(Watchdog, "_rounds", broken)
     options = Options("codex", lease_sec=30, poll_sec=0.05, grace_sec=1)
     worker = Worker(LiveConfig.fixed(Settings()), db, options)
     assert worker.run() == 1

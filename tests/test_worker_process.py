@@ -217,6 +217,8 @@ def test_tasks_the_worker_cannot_run_fail_with_a_reason(
         (["--agent", "bad name"], "invalid agent name"),
         (["--agent", "codex", "--db", "postgresql://u:hunter2@127.0.0.1:1/x"], "cannot connect"),
         (["--agent", "codex", "--bogus"], "No such option"),
+        (["--agent", "codex", "--concurrency", "0"], "Invalid value for '--concurrency'"),
+        (["--agent", "codex", "--concurrency", "4", "--batch", "2"], "cannot both be above 1"),
     ],
 )
 def test_worker_bad_input_is_one_line(spawn: Spawn, args: list[str], message: str) -> None:

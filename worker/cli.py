@@ -50,6 +50,12 @@ log = get_logger("agentbus.worker")
     metavar="N",
     help="Claim N tasks at once and acknowledge them together [setting claim_batch, 1].",
 )
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 1000),
+    metavar="N",
+    help="Run up to N tasks at once, each in a thread [setting concurrency, 1].",
+)
 @cli.budget_options
 @click.option("--log-json", is_flag=True, help="Log JSON lines (default: readable lines).")
 def worker(
@@ -62,11 +68,13 @@ def worker(
     poll_sec: float | None,
     grace_sec: float | None,
     claim_batch: int | None,
+    concurrency: int | None,
     client_budget: int | None,
     budget_mode: str | None,
     log_json: bool,
 ) -> int:
-    """Claim and run the tasks of one agent, one at a time (or --batch N per claim)."""
+    """Claim and run the tasks of one agent: one at a time, N at once (--concurrency N),
+    or N per claim in turn (--batch N)."""
     if not NAME_RE.match(agent):
         raise click.BadParameter(f"invalid agent name {agent!r}", param_hint="--agent")
     overrides = {
@@ -75,6 +83,7 @@ def worker(
         "poll_sec": poll_sec,
         "grace_sec": grace_sec,
         "claim_batch": claim_batch,
+        "concurrency": concurrency,
         "client_budget": client_budget,
         "budget_mode": budget_mode,
     }
@@ -99,7 +108,7 @@ def worker(
     from agentbus.worker.loop import Options, Worker
 
     settings = config.settings
-    db = Database.from_settings(settings)
+    db = Database.from_settings(settings, threads=settings.concurrency)
     try:
         db.require_migrated()
         options = Options(
@@ -110,6 +119,7 @@ def worker(
             drain=drain,
             max_tasks=max_tasks,
             batch=settings.claim_batch,
+            concurrency=settings.concurrency,
         )
         runner = Worker(LiveConfig(config), db, options)
         cli.on_stop_signals(runner.request_stop)

@@ -1,11 +1,20 @@
-"""The worker loop: claim -> run -> settle, one task at a time, for one agent.
+"""The worker loop: claim -> run -> settle, for one agent, up to N tasks at once.
 
-The main thread makes the calls; while it does, a watchdog thread renews the
-leases of the tasks it holds and the worker's heartbeat. A pause is not a
-failure: only genuine failures count towards the backoff sleep, which a stop
-request interrupts. On SIGTERM the loop claims nothing more and lets the
-running call finish within the grace period; after that the watchdog gives
-the task back to the queue and ends the process.
+The main thread claims. With ``concurrency`` 1 it runs each task itself, as
+``claim_batch`` tasks per claim in turn; with N above 1 each task runs in a
+slot thread of its own (threads, not asyncio: the providers are blocking
+httpx and subprocess calls, and admission is synchronous SQL), and the main
+thread claims as many tasks as there are free slots, waking when a slot
+frees or a task is queued. A completion is acknowledged in the transaction of
+the next claim; a pause, retry or failure is settled by its slot at once.
+While calls run, a watchdog thread renews the leases of every task held and
+the worker's heartbeat (with the ids it is running).
+
+A pause is not a failure: only genuine failures, counted across the process,
+back the whole worker off — no new claim until the backoff is over (a stop
+request ends it); calls already running go on. On SIGTERM the loop claims
+nothing more and lets the running calls finish within the grace period; after
+that the watchdog gives their tasks back to the queue and ends the process.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import os
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from agentbus.admission.admission import Admission
@@ -30,6 +40,7 @@ from agentbus.queue.tasks import Task
 from agentbus.queue.workers import WorkerRegistry, new_worker_id
 from agentbus.worker import policy
 from agentbus.worker.runner import Run, Runner
+from agentbus.worker.watchdog import Watchdog
 
 log = get_logger("agentbus.worker")
 
@@ -42,7 +53,8 @@ class Options:
     grace_sec: float
     drain: bool = False
     max_tasks: int | None = None
-    batch: int = 1  # tasks per claim; their completions are acknowledged together
+    batch: int = 1  # tasks per claim (concurrency 1); their completions are acknowledged together
+    concurrency: int = 1  # tasks running at once, each in a slot thread
 
 
 class Worker:
@@ -52,7 +64,7 @@ class Worker:
         self.id = new_worker_id(options.agent)
         self.log = log.bind(worker=self.id)
         self.queue = TaskQueue(db, max_attempts=settings.max_attempts)
-        self.registry = WorkerRegistry(db, self.id, options.agent)
+        self.registry = WorkerRegistry(db, self.id, options.agent, concurrency=options.concurrency)
         self.config = config
         self.providers = Providers(config, os.environ)
         self.backoff_steps = settings.backoff_steps()
@@ -81,16 +93,25 @@ class Worker:
             self._listener = wakeups.Listener(
                 conninfo.render_as_string(hide_password=False), options.agent, self._wake
             )
-        self._finished = threading.Event()
-        self._last_beat = 0.0
-        self._lock = threading.Lock()  # guards _held and _running (the watchdog reads them)
-        self._running: Task | None = None  # the task whose call the main thread is in
-        self._held: list[Task] = []  # claimed by us and not yet settled in the database
+        self._slots = (
+            ThreadPoolExecutor(options.concurrency, thread_name_prefix="slot")
+            if options.concurrency > 1
+            else None
+        )
+        self.finished = threading.Event()  # the loop is over: the watchdog ends too
+        self.last_beat = 0.0
+        self._beat_running: list[int] = []  # the running ids the last heartbeat wrote
+        self._lock = threading.Lock()  # guards the state below (threads share it)
+        self._running: dict[int, Task] = {}  # tasks whose call is under way
+        self._held: dict[int, Task] = {}  # claimed by us and not yet settled in the database
+        self._in_slots: set[int] = set()  # handed to a slot thread and not back yet
         self._acks: list[Settlement] = []  # done, to acknowledge with the next claim
+        self._backoff_ends = 0.0  # time.monotonic(): no claim before
+        self._slot_error: BaseException | None = None  # a slot could not settle its task
         self._stop_reason: str | None = None
         self._stop_logged = False
         self._taken_over: set[int] = set()  # claims the watchdog found lost (ids)
-        self._watchdog_failed = False
+        self._watchdog = Watchdog(self)
 
     def request_stop(self, reason: str = "signal") -> None:
         """Ask the worker to stop. Safe in a signal handler: it only records the reason
@@ -100,7 +121,7 @@ class Worker:
         self.stopping.set()
         self._wake.set()
 
-    def _noticed_stop(self) -> None:
+    def noticed_stop(self) -> None:
         """Say once that a stop was asked for (the loop or the watchdog, whichever sees it
         first: the watchdog does while the main thread is in a long call)."""
         with self._lock:
@@ -111,12 +132,13 @@ class Worker:
 
     def run(self) -> int:
         self.registry.register()
-        threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
+        self._watchdog.start()
         budget = self.budget
         self.log.info(
             "worker_started",
             agent=self.options.agent,
             pid=os.getpid(),
+            concurrency=self.options.concurrency,
             client_budget=budget.mode,
             client_budget_size=budget.budget,
             client_budget_scope=budget.scope,
@@ -130,74 +152,154 @@ class Worker:
         processed = 0
         try:
             while not self.stopping.is_set():
-                self._noticed_stop()
-                room = self.options.batch
-                if self.options.max_tasks is not None:
-                    room = min(room, self.options.max_tasks - processed)
-                if room <= 0:
+                self.noticed_stop()
+                if self._slot_error is not None:
+                    raise self._slot_error
+                if self._backing_off():
+                    continue
+                room = self._room(processed)
+                if room is None:  # --max-tasks reached
                     break
+                if room == 0:  # every slot busy: wait for one to free
+                    self._wait(self.options.poll_sec)
+                    continue
+                self._reload_if_changed()
                 tasks = self._claim(room)  # acknowledging the last completions with it
                 if not tasks:
-                    if self.options.drain:
+                    if self.options.drain and not self._in_slots:
                         break
-                    self._beat_if_due()
-                    self._reload_if_changed()
                     self._wait_for_work()
                     continue
+                processed += len(tasks)
                 with self._lock:
-                    self._held = list(tasks)
-                for task in tasks:
-                    if self.stopping.is_set():
-                        break
-                    self._process(task)
-                    processed += 1
-                self._noticed_stop()
-                acked = {ack.task_id for ack in self._acks}
-                for task in list(self._held):  # claimed but not started: give them back
-                    if task.id not in acked:
-                        self._release(task)
+                    self._held.update((task.id, task) for task in tasks)
+                if self._slots is not None:
+                    for task in tasks:
+                        self._in_slots.add(task.id)
+                        self._slots.submit(self._slot, task)
+                else:
+                    self._run_in_turn(tasks)
         finally:
             if self._listener is not None:
                 self._listener.close()
-            self._noticed_stop()
+            self.noticed_stop()
+            if self._slots is not None:
+                self._finish_slots()
             try:
                 self._claim(0)  # the completions not yet acknowledged
             except Exception as exc:  # their leases run out: the sweeper re-queues them
                 self.log.error("ack_failed", tasks=len(self._acks), error=repr(exc))
-            self._finished.set()
+            self.finished.set()
             self.registry.remove()
             self.providers.close()
             self.log.info("shutdown", processed=processed)
-        if self._watchdog_failed:
+        if self._watchdog.failed:
             self.log.error("exit", reason="the watchdog stopped: leases were no longer renewed")
             return 1
         return 0
 
+    def _room(self, processed: int) -> int | None:
+        """How many tasks to claim now: the batch, or the free slots, within --max-tasks
+        (None: that many were run, and none is still running)."""
+        room = self.options.batch
+        if self._slots is not None:
+            room = self.options.concurrency - len(self._in_slots)
+        if self.options.max_tasks is not None:
+            left = self.options.max_tasks - processed
+            if left <= 0:
+                return None if not self._in_slots else 0
+            room = min(room, left)
+        return room
+
+    def _wait(self, timeout: float) -> bool:
+        """Until a slot frees, a task is queued for us, a stop, or ``timeout``."""
+        if self._wake.wait(timeout):
+            self._wake.clear()
+            return True
+        return False
+
     def _wait_for_work(self) -> None:
         """Idle: return when a task may be due — notified (PostgreSQL), seen by a cheap
-        look every LOOK_SEC (SQLite) — on a stop, or after ``poll_sec`` in any case."""
+        look every LOOK_SEC (SQLite) — when a slot frees, on a stop, or after
+        ``poll_sec`` in any case."""
         deadline = time.monotonic() + self.options.poll_sec
         look = self._listener is None
         while not self.stopping.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            if self._wake.wait(min(wakeups.LOOK_SEC, left) if look else left):
-                self._wake.clear()
+            if self._wait(min(wakeups.LOOK_SEC, left) if look else left):
                 return
             if look and self.queue.has_due(self.options.agent):
                 return
 
+    def _backing_off(self) -> bool:
+        """After genuine failures: acknowledge what is done and wait (no claim) until the
+        backoff is over or a stop; True while it lasts."""
+        left = self._backoff_ends - time.monotonic()
+        if left > 0:
+            if self._acks:
+                self._claim(0)
+            self._wait(left)
+            return True
+        if self.registry.backoff_until is not None:
+            self.registry.backoff_until = None
+            self.beat()
+        return False
+
     # -- one task ------------------------------------------------------------
 
-    def _process(self, task: Task) -> None:
-        """Run one task's calls here, in the main thread; the watchdog keeps its lease."""
-        self._reload_if_changed()
-        self.log.debug("claimed", task_id=task.id, attempts=task.attempts, token=task.claim_token)
-        self.registry.current_task = task.id
-        self._beat_if_due(1.0)  # at most once a second: short tasks need no write each
+    def _run_in_turn(self, tasks: list[Task]) -> None:
+        """Concurrency 1: run a claim's tasks here, one after the other; give back those
+        a stop left unstarted."""
+        for task in tasks:
+            if self.stopping.is_set():
+                break
+            while self._backing_off() and not self.stopping.is_set():
+                pass
+            if self.stopping.is_set():
+                break
+            self._process(task)
+        self.noticed_stop()
         with self._lock:
-            self._running = task
+            acked = {ack.task_id for ack in self._acks}
+            unstarted = [task for task in self._held.values() if task.id not in acked]
+        for task in unstarted:
+            self._release(task)
+
+    def _slot(self, task: Task) -> None:
+        """A slot thread: one task. A failure to settle it (the database gone for longer
+        than ``db_retry_sec``) stops the worker, as it would with one slot."""
+        try:
+            self._process(task)
+        except BaseException as exc:
+            with self._lock:
+                self._slot_error = self._slot_error or exc
+            self.request_stop("slot_error")
+        finally:
+            with self._lock:
+                self._in_slots.discard(task.id)
+            self._wake.set()
+
+    def _finish_slots(self) -> None:
+        """Stopping: the running calls finish (the watchdog ends them when the grace
+        period is over); their completions are acknowledged as they come."""
+        assert self._slots is not None
+        while self._in_slots:
+            self._wait(0.1)
+            if self._acks:
+                try:
+                    self._claim(0)
+                except Exception as exc:  # kept: tried again below, or the sweeper rescues
+                    self.log.error("ack_failed", tasks=len(self._acks), error=repr(exc))
+        self._slots.shutdown(wait=True)
+
+    def _process(self, task: Task) -> None:
+        """Run one task's calls in this thread; the watchdog keeps its lease."""
+        self.log.debug("claimed", task_id=task.id, attempts=task.attempts, token=task.claim_token)
+        with self._lock:
+            self._running[task.id] = task
+            self.registry.running[task.id] = None
         try:
             result = self.runner.run(task)
         except Exception as exc:  # a bug in our code or a handler: the task errors
@@ -207,75 +309,54 @@ class Worker:
                 error=repr(exc),
                 traceback="".join(traceback.format_exception(exc)),
             )
-            self.registry.current_task = None
+            self._stopped_running(task)
             self._settle_error(task, exc)
             return
-        finally:
-            with self._lock:
-                self._running = None
-        self.registry.current_task = None
+        self._stopped_running(task)
         self._settle(task, result)
+
+    def _stopped_running(self, task: Task) -> None:
+        with self._lock:
+            self._running.pop(task.id, None)
+            self.registry.running.pop(task.id, None)
 
     def _reload_if_changed(self) -> None:
         """Between calls: a changed config file applies to admission, routing and the
         providers (they read it from ``self.config``). Windows, slots and circuits live
         on (rows keyed by name); calls in flight keep their permits, so a lowered limit
-        only holds new calls back. Process settings (lease, client budget) stay."""
+        only holds new calls back. Process settings (lease, client budget, concurrency)
+        stay. The providers of a replaced catalog are closed once no call uses them."""
         self.config.refresh()
+        if not self._running:
+            self.providers.close_retired()
 
-    def _watch(self) -> None:
-        """The watchdog thread: renews the leases of held tasks while a call runs, and on
-        shutdown gives the running task back once the grace period is over.
+    def watched(self) -> tuple[bool, list[Task], bool]:
+        """For the watchdog: whether a call runs, the tasks held, and whether the running
+        ids changed since the last heartbeat."""
+        with self._lock:
+            changed = list(self.registry.running) != self._beat_running
+            return bool(self._running), list(self._held.values()), changed
 
-        It never dies of an error: each round catches, logs and carries on (a
-        database outage longer than ``db_retry_sec`` is retried at the next round).
-        Should the thread end anyway, the worker stops claiming and exits non-zero
-        rather than run calls whose leases nobody renews.
-        """
-        try:
-            self._watch_rounds()
-        except BaseException as exc:  # pragma: no cover - the rounds catch what they raise
-            self.log.error("watchdog_died", error=repr(exc))
-        finally:
-            if not self._finished.is_set():
-                self._watchdog_failed = True
-                self.stopping.set()
-
-    def _watch_rounds(self) -> None:
-        every = self.options.lease_sec / 3
-        next_heartbeat = time.monotonic() + every
-        grace_ends: float | None = None
-        while not self._finished.wait(0.1):
-            try:
-                with self._lock:
-                    running, held = self._running, list(self._held)
-                now = time.monotonic()
-                self._noticed_stop()
-                if self.stopping.is_set() and running is not None:
-                    grace_ends = grace_ends or now + self.options.grace_sec
-                    if now >= grace_ends:
-                        self._abandon(held)
-                if now >= next_heartbeat:
-                    next_heartbeat = now + every
-                    if held:
-                        self._heartbeat(held)
-                    self._beat()
-            except Exception as exc:
-                # The database is away (longer than db_retry_sec) or a bug: say so and
-                # try again soon; a lease that ran out meanwhile is renewed if still
-                # ours, and a claim taken over is reported as lost by the heartbeat.
-                self.log.error("watchdog_error", error=f"{type(exc).__name__}: {exc}")
-                next_heartbeat = min(next_heartbeat, time.monotonic() + min(every, 1.0))
-
-    def _abandon(self, held: list[Task]) -> None:
-        """The running call outlived the grace period: release what we hold and exit now."""
+    def abandon(self) -> None:
+        """Running calls outlived the grace period: acknowledge the tasks done, release
+        the rest and exit now."""
+        with self._lock:
+            acks, self._acks = self._acks, []
+        if acks:
+            self._lost(self.queue.settle_many(acks, worker=self.id))
+            for ack in acks:
+                self._forget_id(ack.task_id)
+        with self._lock:
+            held = list(self._held.values())
         for task in held:
             self._release(task)
         self.registry.remove()
-        self.log.info("shutdown", reason="grace period over; the running call is abandoned")
+        self.log.info(
+            "shutdown", reason="grace period over; the running calls are abandoned", tasks=len(held)
+        )
         os._exit(0)
 
-    def _heartbeat(self, held: list[Task]) -> None:
+    def renew(self, held: list[Task]) -> None:
         """Renew the lease of every task we hold: the running one and those waiting.
         A claim that was taken over is marked lost: its call's result is abandoned."""
         for task in held:
@@ -283,7 +364,7 @@ class Worker:
                 self.queue.heartbeat(task.id, task.claim_token, self.options.lease_sec)
             except TransitionRejected as exc:
                 with self._lock:
-                    still_ours = task in self._held
+                    still_ours = task.id in self._held
                     if still_ours:  # not merely settled by the main thread meanwhile
                         self._taken_over.add(task.id)
                 if still_ours:
@@ -294,10 +375,9 @@ class Worker:
         self._forget(task)
         if self._settle_now(task, Settlement(task.id, task.claim_token, Release("shutdown"))):
             self.log.info("task_released", task_id=task.id, reason="shutdown")
-        self.registry.current_task = None
 
     def _settle(self, task: Task, run: Run) -> None:
-        """Hand the queue the run's decision; a batch's completions wait for the batch."""
+        """Hand the queue the run's decision; a completion waits for the next claim."""
         with self._lock:
             lost = task.id in self._taken_over
             self._taken_over.discard(task.id)
@@ -309,7 +389,8 @@ class Worker:
         if isinstance(d, Complete):
             # Acknowledged in the transaction of the next claim (the lease stays renewed
             # meanwhile): one commit per task, or per batch.
-            self._acks.append(item)
+            with self._lock:
+                self._acks.append(item)
             return
         self._forget(task)
         if not self._settle_now(task, item):
@@ -340,13 +421,15 @@ class Worker:
     def _claim(self, room: int) -> list[Task]:
         """Acknowledge the completed tasks and claim up to ``room`` more, in one
         transaction; returns the tasks claimed."""
-        acks, self._acks = self._acks, []
+        with self._lock:
+            acks, self._acks = self._acks, []
         try:
             rejected, tasks = self.queue.settle_and_claim(
                 acks, self.options.agent, self.id, self.options.lease_sec, room
             )
         except BaseException:
-            self._acks = acks + self._acks  # not acknowledged: kept (and their leases renewed)
+            with self._lock:  # not acknowledged: kept (and their leases renewed)
+                self._acks = acks + self._acks
             raise
         lost = self._lost(rejected)
         for ack in acks:
@@ -368,7 +451,7 @@ class Worker:
 
     def _forget_id(self, task_id: int) -> None:
         with self._lock:
-            self._held = [t for t in self._held if t.id != task_id]
+            self._held.pop(task_id, None)
 
     def _settle_error(self, task: Task, exc: object) -> None:
         self._forget(task)
@@ -380,34 +463,26 @@ class Worker:
     # -- failures and backoff ------------------------------------------------
 
     def _record(self, *, failed: bool, why: str = "") -> None:
+        """Count a task's end: genuine failures in a row, whichever slot ran them, back
+        the worker off (the main thread claims nothing until the backoff is over)."""
         reg = self.registry
-        if not failed:
-            if reg.consecutive_failures:
-                reg.consecutive_failures = 0
-                self._beat()
-            return
-        reg.consecutive_failures += 1
-        seconds = policy.backoff_sec(reg.consecutive_failures, self.backoff_steps)
-        if not seconds:
-            self._beat()
-            return
-        reg.backoff_until = time.time() + seconds
-        self._beat()
-        self.log.warning(
-            "backoff",
-            seconds=seconds,
-            consecutive_failures=reg.consecutive_failures,
-            last_error=why,
-        )
-        self.stopping.wait(seconds)
-        reg.backoff_until = None
-        self._beat()
+        with self._lock:
+            if not failed and not reg.consecutive_failures:
+                return
+            reg.consecutive_failures = reg.consecutive_failures + 1 if failed else 0
+            failures = reg.consecutive_failures
+            seconds = policy.backoff_sec(failures, self.backoff_steps) if failed else 0.0
+            if seconds:
+                reg.backoff_until = time.time() + seconds
+                self._backoff_ends = time.monotonic() + seconds
+                self.log.warning(  # in the lock: the lines come in the order of the count
+                    "backoff", seconds=seconds, consecutive_failures=failures, last_error=why
+                )
+        self.beat()
 
-    def _beat(self) -> None:
+    def beat(self) -> None:
+        """Write the heartbeat (and the running ids, the backoff) now."""
+        with self._lock:
+            self._beat_running = list(self.registry.running)
         self.registry.beat()
-        self._last_beat = time.monotonic()
-
-    def _beat_if_due(self, interval: float | None = None) -> None:
-        every = self.options.lease_sec / 3 if interval is None else interval
-        if time.monotonic() - self._last_beat >= every:
-            self._beat()
+        self.last_beat = time.monotonic()

@@ -53,6 +53,24 @@ def status(doc: dict[str, Any], settings: Settings) -> str:
             f"\nclient budget ({b['mode']}, {b['scope']}): {b['count']}{limit} reserved"
             + (f"; last refused: {', '.join(b['last_refused'])}" if b["last_refused"] else "")
         )
+    if doc["workers"]:
+        out.append("\nworkers:")
+        out.append(
+            cli.table(
+                ["worker", "agent", "running", "tasks", "heartbeat", "backoff"],
+                [
+                    [
+                        w["id"],
+                        w["agent"],
+                        f"{len(w['running'])}/{w['concurrency']}",
+                        " ".join(str(i) for i in w["running"]),
+                        f"{w['heartbeat_age']:.0f} s ago",
+                        f"{w['backoff_left']:.0f} s" if w["backoff_left"] else "",
+                    ]
+                    for w in doc["workers"]
+                ],
+            )
+        )
     return "\n".join(out)
 
 

@@ -143,6 +143,8 @@ def _tables(conn: Connection, now: float) -> dict[str, Any]:
                 "pid": w.pid,
                 "heartbeat_age": now - w.heartbeat_at,
                 "current_task": w.current_task,
+                "concurrency": w.concurrency,
+                "running": list(w.running or []),
                 "consecutive_failures": w.consecutive_failures,
                 "backoff_until": w.backoff_until,
                 "backoff_left": max(0.0, w.backoff_until - now) if w.backoff_until else 0.0,

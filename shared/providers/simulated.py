@@ -2,7 +2,8 @@
 
 A task's payload key ``simulate`` maps a model id to a behaviour, either a
 name — ``ok``, ``rate_limited``, ``overloaded``, ``timeout``, ``retryable``
-(also ``error``), ``permanent`` (also ``fatal``), ``auth`` — or an object::
+(also ``error``), ``permanent`` (also ``fatal``), ``auth``, or ``crash`` (the
+provider raises, as a bug would: the worker errors the task) — or an object::
 
     {"behaviour": "rate_limited", "for_s": 15, "retry_after_s": 5, "latency_ms": 200}
 
@@ -40,7 +41,8 @@ from agentbus.providers.outcomes import (
 )
 from agentbus.queue.tasks import InvalidTask
 
-BEHAVIOURS = (*(n.value for n in OutcomeName), *ALIASES)
+CRASH = "crash"
+BEHAVIOURS = (*(n.value for n in OutcomeName), *ALIASES, CRASH)
 MAX_LATENCY_MS = 600_000
 _KEYS = {
     "behaviour",
@@ -135,6 +137,8 @@ class SimulatedProvider:
     @staticmethod
     def _outcome(behaviour: str, request: CallRequest, script: Mapping[str, Any]) -> Outcome:
         what = f"simulated {behaviour} from {request.model}"
+        if behaviour == CRASH:
+            raise RuntimeError(what)
         match behaviour:
             case "ok":
                 words = len(request.prompt.split())

@@ -1,8 +1,9 @@
 """The ``workers`` table: one row per live worker process (its only writer).
 
-Operators read it to see who is alive (heartbeat), what each is running and
-whether it is backing off. A clean exit removes the row; a killed worker's
-row goes stale and the sweeper prunes it after rescuing its task.
+Operators read it to see who is alive (heartbeat), what each is running (up
+to ``concurrency`` tasks at once) and whether it is backing off. A clean exit
+removes the row; a killed worker's row goes stale and the sweeper prunes it
+after rescuing its tasks.
 """
 
 from __future__ import annotations
@@ -26,15 +27,22 @@ def new_worker_id(agent: str) -> str:
 
 class WorkerRegistry:
     def __init__(
-        self, db: Database, worker_id: str, agent: str, *, clock: Callable[[], float] = time.time
+        self,
+        db: Database,
+        worker_id: str,
+        agent: str,
+        *,
+        concurrency: int = 1,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.db = db
         self.id = worker_id
         self.agent = agent
+        self.concurrency = concurrency
         self.clock = clock
         self.consecutive_failures = 0
         self.backoff_until: float | None = None
-        self.current_task: int | None = None
+        self.running: dict[int, None] = {}  # task ids in the order they were claimed
 
     def register(self) -> None:
         now = self.clock()
@@ -45,29 +53,32 @@ class WorkerRegistry:
             "pid": os.getpid(),
             "started_at": now,
             "heartbeat_at": now,
-            "consecutive_failures": self.consecutive_failures,
-            "backoff_until": self.backoff_until,
-            "current_task": self.current_task,
+            "concurrency": self.concurrency,
+            **self._state(),
         }
         self.db.write(lambda conn: conn.execute(sa.insert(w), row))
 
     def beat(self) -> None:
-        """Write heartbeat, current task and backoff state (re-registering if pruned)."""
+        """Write heartbeat, running tasks and backoff state (re-registering if pruned)."""
 
         def work(conn: Connection) -> int:
             return conn.execute(
                 sa.update(w)
                 .where(w.c.id == self.id)
-                .values(
-                    heartbeat_at=self.clock(),
-                    current_task=self.current_task,
-                    consecutive_failures=self.consecutive_failures,
-                    backoff_until=self.backoff_until,
-                )
+                .values(heartbeat_at=self.clock(), **self._state())
             ).rowcount
 
         if self.db.write(work) == 0:
             self.register()
+
+    def _state(self) -> dict[str, object]:
+        running = list(self.running)  # a copy: the worker's threads change it
+        return {
+            "current_task": running[0] if running else None,
+            "running": running,
+            "consecutive_failures": self.consecutive_failures,
+            "backoff_until": self.backoff_until,
+        }
 
     def remove(self) -> None:
         self.db.write(lambda conn: conn.execute(sa.delete(w).where(w.c.id == self.id)))
