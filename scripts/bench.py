@@ -31,7 +31,7 @@ Workload (per backend):
 
 - many calls from one process: 200 tasks whose call takes 2 s, drained by one
   worker with --concurrency 1, 16 and 64, and by 16 single-slot workers: wall
-  time, tasks/s against the ideal, peak RSS, connections held
+  time against the best possible, peak RSS, connections held
   (scripts/concurrency_bench.py).
 
 - start-up: each console command run 10 times from exec to exit (--help,
@@ -388,7 +388,8 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
             url, args.concurrency_tasks, 2000, levels, 16
         ):
             measure_ = f"{args.concurrency_tasks} calls of 2 s: {label}"
-            rows.append((measure_, "wall {}, tasks/s {}, RSS {}, {} connections".format(*figures)))
+            figure = "wall {}, {} tasks/s, {} of the best possible, RSS {}, {} connections"
+            rows.append((measure_, figure.format(*figures)))
     for batch in (int(b) for b in args.batches.split(",")):
         for procs in (int(p) for p in args.processes.split(",")):
             rate = throughput(url, args.sqlite_synchronous, procs, batch, args.tasks)
