@@ -19,6 +19,8 @@ Workload (per backend):
   service resumes them; resume event time minus the pause's resume_after.
 - enqueue-to-claim latency: one idle worker (default poll_sec); 20 tasks
   enqueued 0.2-1.5 s apart; claim event time minus enqueue event time.
+- settle-to-wait latency: ``AgentBus.wait`` on a task that another connection
+  completes; the wait's return minus the completion's commit (scripts/latency.py).
 - steady state per task: statements, round trips and commits of a worker's
   settle-and-claim, counted where the database sees them (scripts/counting.py).
 - claim+complete: T no-op tasks are enqueued first; then P worker processes
@@ -66,6 +68,7 @@ from pathlib import Path
 import compare
 import concurrency_bench
 import counting
+import latency
 import measure
 import psycopg
 import sqlalchemy as sa
@@ -77,7 +80,7 @@ from agentbus.admission.cooldowns import CooldownStore
 from agentbus.config import LiveConfig, Settings
 from agentbus.db import Database, migrate
 from agentbus.logging import configure
-from agentbus.queue import TaskQueue, reads
+from agentbus.queue import TaskQueue
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import bus_commands
 from agentbus.sweeper import jobs
@@ -269,107 +272,6 @@ def bench_sweeper(url: str, synchronous: str, sizes: list[int]) -> list[tuple[st
     return rows
 
 
-def bench_resume_latency(url: str, synchronous: str, tasks: int = 20) -> list[tuple[str, str]]:
-    """How long after its cooldown ends a paused task is back on the queue.
-
-    A worker pauses ``tasks`` tasks on a 2 s cooldown; a sweeper service (60 s
-    interval, default peek) resumes them; the latency is the resume event's time
-    minus the pause's resume_after, from the event log.
-    """
-    db = Database(url, sqlite_synchronous=synchronous)
-    queue = TaskQueue(db)
-    script = {"simulate": {"sim/lat": {"behaviour": "rate_limited", "for_s": 5.0}}}
-    ids = queue.enqueue_many(
-        [
-            TaskSpec(agent="latency", command=str(i), models=("sim/lat",), payload=script)
-            for i in range(tasks)
-        ]
-    )
-    env = {
-        **os.environ,
-        "AGENTBUS_DATABASE_URL": url,
-        "AGENTBUS_MODEL_COOLDOWN_SEC": "2",
-        "AGENTBUS_POLL_SEC": "0.1",
-        "AGENTBUS_SQLITE_SYNCHRONOUS": synchronous,
-    }
-    bindir = Path(sys.executable).parent
-    procs = [
-        subprocess.Popen(
-            [str(bindir / "worker"), "--agent", "latency"], env=env, stderr=subprocess.DEVNULL
-        ),
-        subprocess.Popen(
-            [str(bindir / "sweeper"), "--interval", "60"], env=env, stderr=subprocess.DEVNULL
-        ),
-    ]
-    deadline = time.time() + 60
-    while time.time() < deadline and any(queue.get(i).status != "done" for i in ids):
-        time.sleep(0.2)
-    for p in procs:
-        p.terminate()
-        p.wait()
-    lags = []
-    for task_id in ids:
-        paused_until = None
-        for event in reads.task_events(db, task_id):
-            if event["to_status"] == "paused":
-                paused_until = event["detail"]["resume_after"]
-            elif event["reason"] == "resume" and paused_until is not None:
-                lags.append(event["at"] - paused_until)
-    db.dispose()
-    lags.sort()
-    if not lags:
-        return [("resume latency after cooldown end", "no resume observed")]
-    return [
-        (
-            f"resume latency after cooldown end ({len(lags)} resumes), median / max",
-            f"{lags[len(lags) // 2] * 1000:,.0f} / {lags[-1] * 1000:,.0f} ms",
-        )
-    ]
-
-
-def bench_wakeup_latency(url: str, synchronous: str, tasks: int = 20) -> list[tuple[str, str]]:
-    """How soon an idle worker claims a task after its enqueue (PostgreSQL: notified;
-    SQLite: adaptive polling). One ``worker`` with the default ``poll_sec``; tasks are
-    enqueued one at a time, 0.2 to 1.5 s apart (so they land anywhere in a poll);
-    the latency is the claim event's time minus the enqueue event's."""
-    db = Database(url, sqlite_synchronous=synchronous)
-    queue = TaskQueue(db)
-    env = {**os.environ, "AGENTBUS_DATABASE_URL": url, "AGENTBUS_SQLITE_SYNCHRONOUS": synchronous}
-    worker = subprocess.Popen(
-        [str(Path(sys.executable).parent / "worker"), "--agent", "wake"],
-        env=env,
-        stderr=subprocess.DEVNULL,
-    )
-    while "wake" not in reads.live_agents(db):
-        time.sleep(0.05)
-    time.sleep(2.0)  # idle for a while: the worker polls at poll_sec by now
-    ids = []
-    for i in range(tasks):
-        ids.append(queue.enqueue(TaskSpec(agent="wake", command=str(i), models=("sim/noop",))).id)
-        time.sleep(0.2 + (i * 0.37) % 1.3)
-    deadline = time.time() + 30
-    while time.time() < deadline and any(queue.get(i).status != "done" for i in ids):
-        time.sleep(0.1)
-    worker.terminate()
-    worker.wait()
-    lags = []
-    for task_id in ids:
-        at = {e["reason"]: e["at"] for e in reads.task_events(db, task_id)}
-        if "claim" in at:
-            lags.append(at["claim"] - at["enqueue"])
-    db.dispose()
-    lags.sort()
-    if not lags:
-        return [("enqueue-to-claim latency, idle worker", "no claim observed")]
-    p95 = lags[min(len(lags) - 1, round(len(lags) * 0.95) - 1)]
-    return [
-        (
-            f"enqueue-to-claim latency, idle worker ({len(lags)} tasks), p50 / p95",
-            f"{lags[len(lags) // 2] * 1000:,.0f} / {p95 * 1000:,.0f} ms",
-        )
-    ]
-
-
 def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     db = Database(url, sqlite_synchronous=args.sqlite_synchronous)
     rows = bench_enqueue(TaskQueue(db), args.single, args.tasks * 2)
@@ -378,8 +280,9 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     db.dispose()
     rows += bench_workers(url, args.sqlite_synchronous, 2, args.tasks // 2)
     rows += bench_sweeper(url, args.sqlite_synchronous, [int(n) for n in args.paused.split(",")])
-    rows += bench_resume_latency(url, args.sqlite_synchronous)
-    rows += bench_wakeup_latency(url, args.sqlite_synchronous)
+    rows += latency.resume(url, args.sqlite_synchronous)
+    rows += latency.wakeup(url, args.sqlite_synchronous)
+    rows += latency.wait(url, args.sqlite_synchronous)
     rows += bench_fleet_admission(url)
     rows += counting.rows(url)
     if args.concurrency_tasks:

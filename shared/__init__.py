@@ -1,8 +1,9 @@
 """agentbus: a durable job queue for fleets of LLM agents.
 
-Producers (an orchestrator written in Python) use :class:`AgentBus`::
+Producers (an orchestrator written in Python) use :class:`AgentBus`, or
+:class:`AsyncAgentBus` from asyncio code::
 
-    from agentbus import AgentBus
+    from agentbus import AgentBus, AsyncAgentBus
 
 The services are ``agentbus.worker`` and ``agentbus.sweeper``; operators use
 ``agentbus.admin`` (``busctl``). Importing this package imports nothing heavy:
@@ -14,12 +15,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from agentbus.async_client import AsyncAgentBus
     from agentbus.client import AgentBus, WaitTimeout
 
-__all__ = ["AgentBus", "WaitTimeout"]
+__all__ = ["AgentBus", "AsyncAgentBus", "WaitTimeout"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "AsyncAgentBus":
+        from agentbus import async_client
+
+        return async_client.AsyncAgentBus
     if name in __all__:
         from agentbus import client
 

@@ -1,8 +1,7 @@
 """What every agentbus command line shares: one-line errors and settings loading.
 
-A ``BusError`` (a user mistake or an unreachable database) and a click usage
-error become one line on stderr and exit status 2; anything else is a bug and
-keeps its traceback.
+A ``BusError`` and a click usage error become one line on stderr and an exit
+status (``EXIT_STATUSES``); anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -21,7 +20,11 @@ from agentbus.errors import BusError
 if TYPE_CHECKING:
     from sqlalchemy.exc import OperationalError
 
-EXIT_USAGE = 2
+EXIT_PROBLEM, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_NOT_FOUND = 1, 2, 3, 4
+EXIT_STATUSES = (
+    "Exit status: 0 ok; 1 the command ran and found a problem; 2 usage or bad input "
+    "(nothing changed); 3 database unavailable or not migrated (retry later); 4 not found."
+)
 
 
 def run(command: click.Command, prog: str, args: list[str] | None = None) -> None:
@@ -38,7 +41,7 @@ def run(command: click.Command, prog: str, args: list[str] | None = None) -> Non
         sys.exit(exc.exit_code)
     except BusError as exc:
         click.echo(f"{prog}: error: {_one_line(exc.message)}", err=True)
-        sys.exit(EXIT_USAGE)
+        sys.exit(exc.exit_code)
     except Exception as exc:
         if not _database_gone(exc):
             raise
@@ -46,7 +49,7 @@ def run(command: click.Command, prog: str, args: list[str] | None = None) -> Non
 
         # Still failing after the retries of agentbus.db: the database is gone.
         click.echo(f"{prog}: error: database unavailable: {first_line(exc.orig)}", err=True)
-        sys.exit(EXIT_USAGE)
+        sys.exit(EXIT_UNAVAILABLE)
     except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -1,28 +1,64 @@
 """The producer API: what an orchestrator written in Python uses.
 
-    from agentbus.client import AgentBus
+    from agentbus import AgentBus
 
     with AgentBus("sqlite:///ops_multiagent.db") as bus:
         task_id = bus.enqueue("codex", "Summarise the macro news", models=["sim/a", "sim/b"])
-        task = bus.wait(task_id, timeout=600)      # done, failed or error
+        task = bus.wait(task_id, timeout=600)      # done, failed, error or cancelled
         print(task.status, task.result)
 
 The URL defaults to $AGENTBUS_DATABASE_URL, then sqlite:///ops_multiagent.db.
-Errors a caller can act on are ``agentbus.errors.BusError`` subclasses.
+With a config file (AGENTBUS_CONFIG or ./agentbus.toml), a task naming an
+agent, role or model the config does not know is refused before anything is
+written, and a task without models or role takes its agent's chain. Errors a
+caller can act on are ``agentbus.errors.BusError`` subclasses.
+
+``wait`` and ``wait_many`` return as soon as the tasks settle: on PostgreSQL a
+``LISTEN agentbus_settled`` connection (opened at the first wait) wakes them,
+on SQLite they look again after 5 ms, doubling up to 50 ms.
+``AsyncAgentBus`` offers the same methods to asyncio code.
 """
 
 from __future__ import annotations
 
+import builtins
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from types import TracebackType
 from typing import Any
 
-from agentbus.config import Settings, load_config
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from agentbus.admission.routing import check_task
+from agentbus.catalog import Catalog
+from agentbus.config import Config, Settings, load_config
 from agentbus.db import Database
-from agentbus.queue import TaskQueue
-from agentbus.queue.states import TERMINAL
-from agentbus.queue.tasks import Task, TaskSpec
+from agentbus.errors import ConfigError, TaskNotFound
+from agentbus.queue import TaskQueue, reads, wakeups
+from agentbus.queue.states import TERMINAL, TaskStatus
+from agentbus.queue.tasks import InvalidTask, Task, TaskSpec
+from agentbus.schema import bus_commands
+
+FIRST_LOOK_SEC = 0.005
+SQLITE_LOOK_MAX_SEC = 0.05
+LISTENING_LOOK_MAX_SEC = 2.0  # with LISTEN a look is only the fallback
+ITEM_KEYS = frozenset(
+    {
+        "agent",
+        "text",
+        "models",
+        "role",
+        "payload",
+        "priority",
+        "delay_sec",
+        "run_at",
+        "max_attempts",
+        "key",
+    }
+)
 
 
 class WaitTimeout(TimeoutError):
@@ -30,11 +66,18 @@ class WaitTimeout(TimeoutError):
 
 
 class AgentBus:
-    """Enqueue tasks and read their results."""
+    """Enqueue tasks, read and steer them, and wait for their results."""
 
-    def __init__(self, url: str | None = None, *, settings: Settings | None = None) -> None:
-        base = settings or load_config().settings
+    def __init__(
+        self, url: str | None = None, *, settings: Settings | None = None, by: str = "api"
+    ) -> None:
+        config: Config | None = None if settings is not None else load_config()
+        base = settings if settings is not None else config.settings  # type: ignore[union-attr]
         self.settings = base if url is None else base.replace(database_url=url)
+        self.catalog: Catalog | None = (
+            config.catalog if config is not None and config.path is not None else None
+        )
+        self.by = by  # who this producer is, in the events of what it cancels or resumes
         self.db = Database.from_settings(self.settings)
         try:
             self.db.require_migrated()
@@ -42,6 +85,12 @@ class AgentBus:
             self.db.dispose()
             raise
         self.queue = TaskQueue(self.db, **self.settings.queue_options())
+        self._settled = threading.Condition()
+        self._generation = 0  # notifications of settled tasks heard so far
+        self._listener: wakeups.Listener | None = None
+        self._subscribers: list[Any] = []  # the async waiters' wake-ups
+
+    # -- producing -------------------------------------------------------------
 
     def enqueue(
         self,
@@ -53,38 +102,167 @@ class AgentBus:
         payload: Mapping[str, Any] | None = None,
         priority: int = 0,
         delay_sec: float = 0.0,
+        run_at: datetime | None = None,
         max_attempts: int | None = None,
         key: str | None = None,
+        connection: Connection | None = None,
     ) -> int:
-        """Queue a task and return its id (an existing task's id for a known ``key``)."""
-        spec = TaskSpec(
-            agent=agent,
-            command=text,
-            models=tuple(models) if models is not None else None,
-            role=role,
-            payload=dict(payload or {}),
-            priority=priority,
-            delay_sec=delay_sec,
-            max_attempts=max_attempts,
-            key=key,
+        """Queue a task and return its id (an existing task's id for a known ``key``).
+
+        ``run_at`` (an aware datetime) or ``delay_sec`` put it off. With
+        ``connection`` the task is written through that SQLAlchemy connection in
+        its transaction: it exists if and when the caller commits.
+        """
+        item = {
+            "agent": agent,
+            "text": text,
+            "models": models,
+            "role": role,
+            "payload": payload,
+            "priority": priority,
+            "delay_sec": delay_sec,
+            "run_at": run_at,
+            "max_attempts": max_attempts,
+            "key": key,
+        }
+        return self.enqueue_many([item], connection=connection)[0]
+
+    def enqueue_many(
+        self, items: Iterable[Mapping[str, Any]], *, connection: Connection | None = None
+    ) -> builtins.list[int]:
+        """Queue many tasks in one transaction; returns their ids in order. Each item
+        takes the keyword names of ``enqueue`` (``agent`` and ``text`` required)."""
+        specs = [self._spec(item) for item in items]
+        if connection is not None:
+            return [e.id for e in self.queue.enqueue_on(connection, specs)]
+        return self.queue.enqueue_many(specs)
+
+    def _spec(self, item: Mapping[str, Any]) -> TaskSpec:
+        unknown = sorted(set(item) - ITEM_KEYS)
+        if unknown:
+            raise InvalidTask(f"unknown task field {', '.join(unknown)}")
+        for required in ("agent", "text"):
+            if item.get(required) is None:
+                raise InvalidTask(f"a task needs {required!r}")
+        delay = float(item.get("delay_sec") or 0.0)
+        run_at = item.get("run_at")
+        if run_at is not None:
+            if delay:
+                raise InvalidTask("give run_at or delay_sec, not both")
+            if not isinstance(run_at, datetime) or run_at.tzinfo is None:
+                raise InvalidTask("run_at must be a timezone-aware datetime")
+            delay = max(0.0, run_at.timestamp() - time.time())
+        models = item.get("models")
+        if isinstance(models, str):
+            raise InvalidTask("models must be a list of model ids, not one string")
+        chain = tuple(models) if models is not None else None
+        try:
+            check_task(self.catalog, agent=item["agent"], models=chain, role=item.get("role"))
+        except ConfigError as exc:  # the task does not fit the config: bad input
+            raise InvalidTask(exc.message) from None
+        return TaskSpec(
+            agent=item["agent"],
+            command=item["text"],
+            models=chain,
+            role=item.get("role"),
+            payload=dict(item.get("payload") or {}),
+            priority=int(item.get("priority") or 0),
+            delay_sec=delay,
+            max_attempts=item.get("max_attempts"),
+            key=item.get("key"),
         )
-        return self.queue.enqueue(spec).id
+
+    # -- reading and steering --------------------------------------------------
 
     def get(self, task_id: int) -> Task:
         return self.queue.get(task_id)
 
-    def wait(self, task_id: int, *, timeout: float | None = None, poll: float = 0.5) -> Task:
-        """Block until the task is done, failed or error; a paused task keeps waiting."""
+    def list(
+        self, *, status: TaskStatus | str | None = None, agent: str | None = None, limit: int = 50
+    ) -> builtins.list[Task]:
+        """The newest tasks, optionally of one status and/or agent."""
+        value = TaskStatus(status).value if status is not None else None
+        return reads.list_tasks(self.db, status=value, agent=agent, limit=limit)
+
+    def cancel(self, *task_ids: int) -> builtins.list[int]:
+        """Cancel queued, paused or claimed tasks; returns the ids that were cancelled."""
+        return self.queue.cancel(list(task_ids), by=self.by)
+
+    def resume(self, *task_ids: int) -> builtins.list[int]:
+        """Paused tasks back to the queue now; returns the ids that were paused."""
+        return self.queue.resume(list(task_ids), by=self.by)
+
+    def retry(self, task_id: int) -> None:
+        """A failed, errored or cancelled task back to the queue with fresh attempts."""
+        self.queue.retry(task_id, by=self.by)
+
+    # -- waiting ---------------------------------------------------------------
+
+    def wait(self, task_id: int, *, timeout: float | None = None) -> Task:
+        """Block until the task is done, failed, error or cancelled (a paused task
+        keeps waiting); WaitTimeout after ``timeout`` seconds."""
+        return self.wait_many([task_id], timeout=timeout)[0]
+
+    def wait_many(
+        self, task_ids: Sequence[int], *, timeout: float | None = None
+    ) -> builtins.list[Task]:
+        """Block until every task has settled; returns them in the order asked."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._listen()
+        done: dict[int, Task] = {}
+        look = FIRST_LOOK_SEC
         while True:
-            task = self.queue.get(task_id)
-            if task.status in TERMINAL:
-                return task
-            if deadline is not None and time.monotonic() >= deadline:
-                raise WaitTimeout(f"task {task_id} is still {task.status.value}")
-            time.sleep(poll)
+            generation = self._generation
+            done.update(self.settled_among([i for i in task_ids if i not in done]))
+            if len(done) == len(set(task_ids)):
+                return [done[i] for i in task_ids]
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                waiting = [i for i in task_ids if i not in done]
+                raise WaitTimeout(f"tasks still running: {', '.join(map(str, waiting))}")
+            pause = look if left is None else min(look, left)
+            with self._settled:
+                if self._generation == generation:  # nothing heard since the look
+                    self._settled.wait(pause)
+            look = min(look * 2, self._look_max())
+
+    def settled_among(self, task_ids: Sequence[int]) -> dict[int, Task]:
+        """Those of ``task_ids`` that have settled (one read; unknown ids raise)."""
+        if not task_ids:
+            return {}
+        ends = [s.value for s in TERMINAL]
+        query = sa.select(bus_commands).where(bus_commands.c.id.in_(list(task_ids)))
+        rows = self.db.read(lambda conn: conn.execute(query).all())
+        tasks = {int(r.id): Task.from_row(r._mapping) for r in rows}
+        missing = sorted(set(task_ids) - set(tasks))
+        if missing:
+            raise TaskNotFound(f"task {missing[0]} does not exist")
+        return {i: task for i, task in tasks.items() if task.status.value in ends}
+
+    def _look_max(self) -> float:
+        return LISTENING_LOOK_MAX_SEC if self._listener is not None else SQLITE_LOOK_MAX_SEC
+
+    def _listen(self) -> None:
+        """PostgreSQL: hear settled tasks from the first wait on (one connection)."""
+        if self._listener is not None or self.db.dialect != "postgresql":
+            return
+        url = self.db.engine.url.set(drivername="postgresql")
+        self._listener = wakeups.Listener(
+            url.render_as_string(hide_password=False), self._heard, channel=wakeups.SETTLED
+        ).start()
+
+    def _heard(self) -> None:
+        with self._settled:
+            self._generation += 1
+            self._settled.notify_all()
+        for wake in list(self._subscribers):
+            wake()
+
+    # -- closing ---------------------------------------------------------------
 
     def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close(wait=2.0)  # its connection closed before we return
         self.db.dispose()
 
     def __enter__(self) -> AgentBus:

@@ -1,8 +1,10 @@
 """The exceptions of agentbus.
 
 ``BusError`` and its subclasses are meant for people: the command-line tools
-print their message as one line on stderr and exit with status 2. Any other
-exception is a bug and keeps its traceback.
+print their message as one line on stderr and exit with the class's
+``exit_code``: 1 the command ran and found a problem, 2 usage or bad input
+(nothing changed), 3 the database is unavailable or not migrated (retry
+later), 4 not found. Any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 class BusError(Exception):
     """agentbus could not do what was asked."""
+
+    exit_code = 2  # usage or bad input: nothing changed
 
     def __init__(self, message: str | None = None) -> None:
         super().__init__(message or self.__doc__ or self.__class__.__name__)
@@ -26,13 +30,32 @@ class ConfigError(BusError):
 class DatabaseUnavailable(BusError):
     """The database cannot be reached."""
 
+    exit_code = 3
+
 
 class NotMigrated(BusError):
     """The database schema is not at the current version: run `busctl migrate`."""
 
+    exit_code = 3
+
 
 class TaskNotFound(BusError):
     """No such task."""
+
+    exit_code = 4
+
+
+class NotFound(BusError):
+    """Nothing by that name (a cooldown, a task among several)."""
+
+    exit_code = 4
+
+
+class Problem(BusError):
+    """The command ran and found a problem (a KPI below its target, a task that could
+    not be moved)."""
+
+    exit_code = 1
 
 
 class TransitionRejected(BusError):
@@ -42,6 +65,8 @@ class TransitionRejected(BusError):
     superseded (its lease expired and the task was rescued). The caller must
     treat its work on the task as void: another claim owns it now.
     """
+
+    exit_code = 1
 
     def __init__(
         self, task_id: int, action: str, expected: str, actual: str | None, token: int | None = None

@@ -9,7 +9,7 @@ from agentbus.config import LiveConfig, load_config
 from agentbus.logging import configure
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings={"help_option_names": ["-h", "--help"]}, epilog=cli.EXIT_STATUSES)
 @click.version_option(package_name="agentbus")
 @cli.db_option
 @cli.config_option

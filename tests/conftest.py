@@ -166,7 +166,10 @@ def run_busctl() -> Callable[..., subprocess.CompletedProcess[str]]:
     exe = Path(sys.executable).with_name("busctl")
 
     def run(
-        *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+        *args: str,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        input: str | None = None,
     ) -> subprocess.CompletedProcess[str]:
         clean = clean_env()
         return subprocess.run(
@@ -176,6 +179,7 @@ def run_busctl() -> Callable[..., subprocess.CompletedProcess[str]]:
             timeout=120,
             env={**clean, **(env or {})},
             cwd=cwd,
+            input=input if input is not None else "",
         )
 
     return run

@@ -34,8 +34,12 @@ def snapshot(url: str) -> dict[str, list[tuple[object, ...]]]:
     return out
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess[str], *, contains: str) -> None:
-    assert result.returncode == 2, (result.stdout, result.stderr)
+def assert_one_line_error(
+    result: subprocess.CompletedProcess[str], *, contains: str, status: int = 2
+) -> None:
+    """One line on stderr and the exit status: 2 bad input, 3 the database is away or not
+    migrated (retry later), 4 not found."""
+    assert result.returncode == status, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("busctl: error: "), lines[0]
@@ -119,50 +123,51 @@ def test_bad_enqueue_input_changes_nothing(
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("args", "message", "status"),
     [
-        (["enqueue", "--agent", "bad agent!", "--models", "a", "x"], "invalid agent name"),
-        (["enqueue", "--agent", "codex", "--models", "a", "  "], "task text is empty"),
-        (["enqueue", "--agent", "codex", "x"], "needs a model chain"),
-        (["show", "424242"], "task 424242 does not exist"),
-        (["show", "abc"], "is not a valid integer"),
-        (["retry", "424242"], "task 424242 does not exist"),
-        (["tasks", "--status", "lost"], "Invalid value for '--status'"),
-        (["frobnicate"], "No such command"),
+        (["enqueue", "--agent", "bad agent!", "--models", "a", "x"], "invalid agent name", 2),
+        (["enqueue", "--agent", "codex", "--models", "a", "  "], "task text is empty", 2),
+        (["enqueue", "--agent", "codex", "x"], "needs a model chain", 2),
+        (["show", "424242"], "task 424242 does not exist", 4),
+        (["show", "abc"], "is not a valid integer", 2),
+        (["retry", "424242"], "task 424242 does not exist", 4),
+        (["tasks", "--status", "lost"], "Invalid value for '--status'", 2),
+        (["frobnicate"], "No such command", 2),
     ],
 )
 def test_bad_commands_change_nothing(
-    db_url: str, run_busctl: Run, args: list[str], message: str
+    db_url: str, run_busctl: Run, args: list[str], message: str, status: int
 ) -> None:
     before = snapshot(db_url)
-    assert_one_line_error(run_busctl("--db", db_url, *args), contains=message)
+    result = run_busctl("--db", db_url, *args)
+    assert_one_line_error(result, contains=message, status=status)
     assert snapshot(db_url) == before
 
 
 def test_unmigrated_database_says_run_migrate(empty_db_url: str, run_busctl: Run) -> None:
     result = run_busctl("--db", empty_db_url, "status")
-    assert_one_line_error(result, contains="run `busctl migrate`")
+    assert_one_line_error(result, contains="run `busctl migrate`", status=3)
 
 
 def test_missing_sqlite_file_is_reported_not_created(tmp_path: Path, run_busctl: Run) -> None:
     path = tmp_path / "nothing.db"
     result = run_busctl("--db", f"sqlite:///{path}", "status")
-    assert_one_line_error(result, contains="does not exist")
+    assert_one_line_error(result, contains="does not exist", status=3)
     assert not path.exists()
 
 
 @pytest.mark.parametrize(
-    ("url", "message"),
+    ("url", "message", "status"),
     [
-        ("postgresql://agent:hunter2@127.0.0.1:1/bus", "cannot connect"),
-        ("mysql://agent:hunter2@localhost/bus", "unsupported database"),
-        ("not a url", "invalid database URL"),
-        ("sqlite:////no/such/dir/bus.db", "does not exist"),
+        ("postgresql://agent:hunter2@127.0.0.1:1/bus", "cannot connect", 3),
+        ("mysql://agent:hunter2@localhost/bus", "unsupported database", 2),
+        ("not a url", "invalid database URL", 2),
+        ("sqlite:////no/such/dir/bus.db", "does not exist", 3),
     ],
 )
-def test_bad_database_urls(run_busctl: Run, url: str, message: str) -> None:
+def test_bad_database_urls(run_busctl: Run, url: str, message: str, status: int) -> None:
     result = run_busctl("--db", url, "status")
-    assert_one_line_error(result, contains=message)
+    assert_one_line_error(result, contains=message, status=status)
     assert "hunter2" not in result.stderr
 
 

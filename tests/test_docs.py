@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from agentbus.admission.routing import resolve
 from agentbus.config import Settings, load_config
+from tests.support import Proc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,3 +43,35 @@ def test_the_example_config_shows_every_catalog_key() -> None:
     for setting in Settings.fields_doc():
         if setting.startswith(("circuit_", "admission_", "daily_", "rpm_", "global_")):
             assert f"\n{setting} =" in text, setting
+
+
+def test_the_python_example_in_the_readme_runs(
+    tmp_path: Path, spawn: Callable[..., Proc], run_busctl: Callable[..., Any]
+) -> None:
+    """The README's producer example, run as a user would beside a worker (SQLite)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## From Python") :]
+    example = section[section.index("```python\n") + 10 : section.index("```\n", 10)]
+    assert run_busctl("migrate", cwd=tmp_path).returncode == 0
+    url = f"sqlite:///{tmp_path / 'ops_multiagent.db'}"
+    worker = spawn("worker", "--agent", "codex", "--db", url)
+    script = tmp_path / "example.py"
+    script.write_text(example)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTBUS_")}
+    ran = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    worker.signal(signal.SIGTERM)
+    assert worker.wait() == 0
+    assert ran.returncode == 0, ran.stderr
+    first, second = ran.stdout.splitlines()
+    assert first.startswith("done [sim/a] done: Summarise the macro news")
+    assert (
+        second
+        == "[<TaskStatus.DONE: 'done'>, <TaskStatus.DONE: 'done'>, <TaskStatus.DONE: 'done'>]"
+    )

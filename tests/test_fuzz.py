@@ -238,6 +238,6 @@ def test_a_password_in_the_config_never_reaches_the_output(
         timeout=60,
         check=False,
     )
-    assert done.returncode == 2
+    assert done.returncode == 3  # the database is away: retry later
     assert "cannot connect to postgresql+psycopg://agent:***@127.0.0.1:1/bus" in done.stderr
     assert secret not in done.stdout + done.stderr

@@ -38,6 +38,11 @@ def test_transition_table_is_spec_section_2() -> None:
         (S.CLAIMED, S.QUEUED),
         (S.FAILED, S.QUEUED),
         (S.ERROR, S.QUEUED),
+        # Cancelled by an operator or a producer, and retried by one.
+        (S.QUEUED, S.CANCELLED),
+        (S.PAUSED, S.CANCELLED),
+        (S.CLAIMED, S.CANCELLED),
+        (S.CANCELLED, S.QUEUED),
     }
     assert {(a, b) for a in S for b in S if is_legal(a, b)} == legal
 
@@ -119,6 +124,14 @@ def make_machine(queue: TaskQueue, clock: FakeClock) -> type[RuleBasedStateMachi
             assert (moved == [self.task_id]) == (self.status is S.PAUSED)
             if moved:
                 self.status = S.FAILED
+
+        @rule()
+        def cancel(self) -> None:
+            moved = queue.cancel([self.task_id], by="test")
+            cancellable = self.status in TRANSITIONS["cancel"][0]
+            assert (moved == [self.task_id]) == cancellable
+            if moved:
+                self.status = S.CANCELLED
 
         @rule()
         def retry(self) -> None:

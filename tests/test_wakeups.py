@@ -35,8 +35,8 @@ def test_an_enqueue_wakes_the_listener_of_its_agent(db: Database) -> None:
     wake, other = threading.Event(), threading.Event()
     url = db.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
     listeners = [
-        wakeups.Listener(url, "codex", wake).start(),
-        wakeups.Listener(url, "ron", other).start(),
+        wakeups.Listener(url, wake.set, payload="codex").start(),
+        wakeups.Listener(url, other.set, payload="ron").start(),
     ]
     try:
         assert wake.wait(30) and other.wait(30)  # connected (each wakes once on connect)

@@ -15,7 +15,7 @@ from agentbus.logging import configure, get_logger
 log = get_logger("agentbus.worker")
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings={"help_option_names": ["-h", "--help"]}, epilog=cli.EXIT_STATUSES)
 @click.version_option(package_name="agentbus")
 @click.option("--agent", required=True, help="The agent whose tasks this process runs.")
 @cli.db_option

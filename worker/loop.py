@@ -91,7 +91,9 @@ class Worker:
         if db.dialect == "postgresql" and not options.drain:
             conninfo = db.engine.url.set(drivername="postgresql")
             self._listener = wakeups.Listener(
-                conninfo.render_as_string(hide_password=False), options.agent, self._wake
+                conninfo.render_as_string(hide_password=False),
+                self._wake.set,
+                payload=options.agent,
             )
         self._slots = (
             ThreadPoolExecutor(options.concurrency, thread_name_prefix="slot")
@@ -301,7 +303,7 @@ class Worker:
             self._running[task.id] = task
             self.registry.running[task.id] = None
         try:
-            result = self.runner.run(task)
+            result = self.runner.run(task, gone=lambda: task.id in self._taken_over)
         except Exception as exc:  # a bug in our code or a handler: the task errors
             self.log.error(
                 "task_crashed",

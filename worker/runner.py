@@ -76,7 +76,9 @@ class Runner:
     def settings(self) -> Settings:
         return self.admission.settings  # the live settings: a reload applies to the next task
 
-    def run(self, task: Task) -> Run:
+    def run(self, task: Task, gone: Callable[[], bool] = lambda: False) -> Run:
+        """``gone()`` says the claim was lost (the task was cancelled or rescued): no
+        further candidate is tried, and the worker discards the run."""
         if task.problem is not None:
             return Run(Fail(task.problem))
         try:
@@ -87,12 +89,21 @@ class Runner:
         except (ConfigError, InvalidTask) as exc:
             return Run(Fail(exc.message))
         with self.admission.walk():
-            return self._walk(task, found.candidates, list(found.left_out))
+            return self._walk(task, found.candidates, list(found.left_out), gone)
 
-    def _walk(self, task: Task, candidates: tuple[Candidate, ...], refused: list[str]) -> Run:
+    def _walk(
+        self,
+        task: Task,
+        candidates: tuple[Candidate, ...],
+        refused: list[str],
+        gone: Callable[[], bool],
+    ) -> Run:
         run = Run(Fail("unreachable"))
         blocked: dict[str, float] = {}
         for candidate in candidates:
+            if gone():
+                run.decision = Fail("the claim was lost")
+                return run
             started = self.clock()
             answer = self.admission.admit(candidate, agent=task.agent, task_id=task.id)
             if isinstance(answer, Refusal):

@@ -1,9 +1,10 @@
-"""busctl: administer an agentbus database (migrate, enqueue, inspect, retry)."""
+"""busctl: administer an agentbus database (migrate, enqueue, inspect, steer)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import threading
 import time
 from importlib import resources
@@ -16,8 +17,9 @@ from agentbus import cli
 from agentbus.admin import render
 from agentbus.admin.budget_cli import budget_group
 from agentbus.admin.context import Context, pass_ctx
+from agentbus.admin.control import cancel_cmd, cooldowns_group, resume_cmd
 from agentbus.config import load_config
-from agentbus.errors import BusError
+from agentbus.errors import BusError, Problem
 from agentbus.queue.states import TaskStatus
 
 if TYPE_CHECKING:
@@ -27,15 +29,14 @@ if TYPE_CHECKING:
 # when it runs, so that `busctl --help` and `busctl enqueue` start quickly.
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=cli.EXIT_STATUSES)
 @cli.db_option
 @cli.config_option
 @click.version_option(package_name="agentbus")
 @click.pass_context
 def busctl(ctx: click.Context, db_url: str | None, config_file: str | None) -> None:
-    """Administer an agentbus queue: migrate, enqueue, inspect, retry."""
-    settings = load_config(config_file, {"database_url": db_url}).settings
-    ctx.obj = Context(settings)
+    """Administer an agentbus queue: migrate, enqueue, inspect, steer."""
+    ctx.obj = Context.of(load_config(config_file, {"database_url": db_url}))
     ctx.call_on_close(lambda: ctx.obj._db.dispose() if ctx.obj._db else None)
 
 
@@ -59,7 +60,9 @@ def migrate_cmd(c: Context) -> None:
 @click.option("--agent", required=True, help="The agent whose worker runs the task.")
 @click.option("--models", "models", metavar="M1,M2", help="Explicit model chain, tried in order.")
 @click.option("--role", metavar="ROLE", help="A configured role that names the models.")
-@click.option("--payload", metavar="JSON", help="A JSON object handed to the task.")
+@click.option(
+    "--payload", metavar="JSON|@FILE|-", help="A JSON object handed to the task (a file, stdin)."
+)
 @click.option("--priority", type=int, default=0, show_default=True, help="Higher runs first.")
 @click.option("--run-after", type=float, default=0.0, metavar="SECONDS", help="Delay the task.")
 @click.option("--max-attempts", type=int, help="Attempts before failing [default: setting].")
@@ -78,17 +81,27 @@ def enqueue_cmd(
     key: str | None,
     text: str,
 ) -> None:
-    """Put a task on the queue and print its id."""
+    """Put a task on the queue and print its id. TEXT - reads the text from stdin.
+
+    Without --models or --role the agent's chain in the config file applies
+    (--config, AGENTBUS_CONFIG or ./agentbus.toml); with a config file, an
+    agent, role or model it does not know is refused before anything is written.
+    """
+    from agentbus.admission.routing import check_task
     from agentbus.queue.tasks import TaskSpec, parse_models, parse_payload
 
     if models is not None and role is not None:
         raise click.UsageError("give --models or --role, not both")
+    if text == "-" and payload == "-":
+        raise click.UsageError("the text and the payload cannot both come from stdin")
+    chain = parse_models(models) if models is not None else None
+    check_task(c.catalog, agent=agent, models=chain, role=role)
     spec = TaskSpec(
         agent=agent,
-        command=text,
-        models=parse_models(models) if models is not None else None,
+        command=_stdin("text") if text == "-" else text,
+        models=chain,
         role=role,
-        payload=parse_payload(payload),
+        payload=parse_payload(_payload_text(payload)),
         priority=priority,
         delay_sec=run_after,
         max_attempts=max_attempts,
@@ -98,6 +111,26 @@ def enqueue_cmd(
     if not result.created:
         click.echo(f"busctl: key {key!r} already names task {result.id}", err=True)
     click.echo(result.id)
+
+
+def _payload_text(given: str | None) -> str | None:
+    """``--payload``: JSON text, ``@FILE`` or ``-`` (stdin)."""
+    if given == "-":
+        return _stdin("payload")
+    if given is not None and given.startswith("@"):
+        path = Path(given[1:])
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BusError(f"cannot read the payload file {path}: {exc}") from None
+    return given
+
+
+def _stdin(what: str) -> str:
+    try:
+        return str(sys.stdin.read())
+    except UnicodeDecodeError as exc:
+        raise BusError(f"cannot read the {what} from stdin: {exc}") from None
 
 
 @busctl.command("status")
@@ -117,6 +150,8 @@ def status_cmd(c: Context, as_json: bool) -> None:
 
 
 busctl.add_command(budget_group)
+for _command in (cancel_cmd, resume_cmd, cooldowns_group):
+    busctl.add_command(_command)
 
 
 @busctl.command("events")
@@ -320,37 +355,6 @@ def retry_cmd(c: Context, task_id: int) -> None:
     click.echo(f"task {task_id} re-queued")
 
 
-@busctl.command("cooldowns")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@pass_ctx
-def cooldowns_cmd(c: Context, as_json: bool) -> None:
-    """Models cooling down now: until when, why, and who set it."""
-    from agentbus.admission.cooldowns import CooldownStore
-
-    now = time.time()
-    rows = CooldownStore(c.database(), cache_sec=1e-9).details()
-    if as_json:
-        click.echo(
-            json.dumps([{**r, "seconds_left": r["cooldown_until"] - now} for r in rows], indent=2)
-        )
-        return
-    click.echo(
-        cli.table(
-            ["model", "until", "left", "reason", "set by"],
-            [
-                [
-                    r["model_id"],
-                    cli.fmt_time(r["cooldown_until"]),
-                    f"{r['cooldown_until'] - now:.0f}s",
-                    r["reason"],
-                    r["source"],
-                ]
-                for r in rows
-            ],
-        )
-    )
-
-
 @busctl.command("routes")
 @click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
 @click.option("--task", "task_id", type=int, help="Only the decisions for this task.")
@@ -394,8 +398,11 @@ def kpi_cmd(ctx: click.Context, since: str | None, as_json: bool, as_sql: bool) 
     kpis = kpi.compute(c.database(), start)
     if as_json:
         click.echo(json.dumps({"since": start, "kpis": [k.as_dict() for k in kpis]}, indent=2))
-        return
-    click.echo(kpi.render(kpis))
+    else:
+        click.echo(kpi.render(kpis))
+    failing = [k.name for k in kpis if k.passed is False]
+    if failing:  # exit 1: a script can alert on it
+        raise Problem(f"below target: {', '.join(failing)}")
 
 
 @busctl.command("demo")
@@ -442,6 +449,16 @@ def _shipped(name: str) -> str:
 def _excerpt(text: str | None, width: int = 48) -> str:
     flat = " ".join((text or "").split())
     return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def _with_exit_statuses(group: click.Group) -> None:
+    for command in group.commands.values():
+        command.epilog = command.epilog or cli.EXIT_STATUSES
+        if isinstance(command, click.Group):
+            _with_exit_statuses(command)
+
+
+_with_exit_statuses(busctl)
 
 
 def main() -> None:

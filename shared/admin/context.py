@@ -7,18 +7,21 @@ from typing import TYPE_CHECKING
 
 import click
 
-from agentbus.config import Settings
+from agentbus.config import Config, Settings
 
 if TYPE_CHECKING:
+    from agentbus.catalog import Catalog
     from agentbus.db import Database
     from agentbus.queue import TaskQueue
 
 
 @dataclass
 class Context:
-    """One busctl run: its settings, and its database (opened when a command asks)."""
+    """One busctl run: its settings, its config file's catalog (None: no file was
+    loaded), and its database (opened when a command asks)."""
 
     settings: Settings
+    catalog: Catalog | None = None
     _db: Database | None = field(default=None, init=False)
 
     def database(self, *, migrated: bool = True) -> Database:
@@ -31,6 +34,10 @@ class Context:
             else:
                 self._db.check_connection()
         return self._db
+
+    @classmethod
+    def of(cls, config: Config) -> Context:
+        return cls(config.settings, config.catalog if config.path is not None else None)
 
     def queue(self) -> TaskQueue:
         from agentbus.queue import TaskQueue

@@ -147,6 +147,40 @@ class CooldownStore:
         self._cache[model] = max(effective, self._cache.get(model, 0.0))
         return effective
 
+    def clear(self, model: str, *, by: str) -> list[str]:
+        """An operator ends cooldowns now: ``model`` (and its accounts' ``model@…``), or
+        one ``model@account``. Returns the keys cleared; each gets a ``cooldown_cleared``
+        event naming ``by``, and its history ends now. Workers see it at their next
+        read (within ``cache_sec``); their own writes still only extend."""
+        keys = [mc.c.model_id == model]
+        if "@" not in model:
+            keys.append(mc.c.model_id.startswith(model + "@", autoescape=True))
+        which = sa.or_(*keys)
+
+        def work(conn: Connection) -> list[str]:
+            now = self.clock()
+            rows = conn.execute(
+                sa.delete(mc)
+                .where(which, mc.c.cooldown_until > now)
+                .returning(mc.c.model_id, mc.c.cooldown_until)
+            ).all()
+            for key, until in sorted(rows):
+                conn.execute(
+                    sa.update(cooldown_history)
+                    .where(
+                        cooldown_history.c.model_id == key, cooldown_history.c.cooldown_until > now
+                    )
+                    .values(cooldown_until=now)
+                )
+                detail = {"model": key, "was_until": until}
+                journal.emit(conn, "cooldown_cleared", now, source=by, detail=detail)
+            return sorted(key for key, _ in rows)
+
+        cleared = self.db.write(work)
+        for key in cleared:
+            self._cache.pop(key, None)
+        return cleared
+
     def purge_expired(self) -> int:
         """Delete cooldowns that have ended; returns how many."""
         now = self.clock()

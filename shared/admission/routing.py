@@ -145,6 +145,29 @@ def resolve(
     return Resolution(tuple(out.values()), tuple(dict.fromkeys(left_out)))
 
 
+def check_task(
+    catalog: Catalog | None, *, agent: str, models: tuple[str, ...] | None, role: str | None
+) -> None:
+    """Refuse at enqueue, with one line, a task its config says cannot run: an unknown
+    agent (when the config names agents), role or model, or no chain at all.
+
+    ``catalog`` None means no config file was loaded: then only an explicit chain
+    or role is accepted, as nothing says what the agent's chain is.
+    """
+    if catalog is None:
+        if models is None and role is None:
+            raise ConfigError(
+                "a task needs a model chain (--models) or a role (--role); with a config "
+                "file (--config, AGENTBUS_CONFIG or ./agentbus.toml) its agent's chain applies"
+            )
+        return
+    if catalog.agents and agent not in catalog.agents:
+        raise ConfigError(
+            f"unknown agent {agent!r}: the config names {', '.join(sorted(catalog.agents))}"
+        )
+    resolve(catalog, models=models, role=role, agent=agent, environ=None)
+
+
 def fingerprint(
     provider: ProviderConfig, account: AccountConfig, environ: Mapping[str, str]
 ) -> str:

@@ -15,10 +15,13 @@ from sqlalchemy.engine import Connection
 from agentbus import masking
 from agentbus.admission import usage
 from agentbus.admission.routing import Route
+from agentbus.queue import wakeups
 from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
 from agentbus.queue.statements import action_of
-from agentbus.queue.states import TRANSITIONS
+from agentbus.queue.states import TERMINAL, TRANSITIONS
 from agentbus.schema import route_log, task_events
+
+_ENDS = frozenset(s.value for s in TERMINAL)
 
 
 def storable(value: Any) -> Any:
@@ -30,10 +33,13 @@ def storable(value: Any) -> Any:
 
 def record(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
     """Append events; each mapping has task_id, from_status, to_status, reason,
-    worker, claim_token, at and detail."""
+    worker, claim_token, at and detail. A task that reached an end wakes the
+    producers waiting for tasks (PostgreSQL, on commit)."""
     batch = [dict(r) for r in rows]
     if batch:
         conn.execute(sa.insert(task_events), batch)
+        if any(r["to_status"] in _ENDS for r in batch):
+            wakeups.settled(conn)
 
 
 def event(

@@ -161,6 +161,21 @@ MOVE_MANY: dict[str, Update] = {
 }
 
 
+#: Cancel the tasks among ``p_ids`` that are in ``p_source`` (one of the states a task
+#: may be cancelled from) RETURNING their ids.
+CANCEL = (
+    sa.update(t)
+    .where(t.c.id.in_(_IDS), t.c.status == _p("p_source"))
+    .values(
+        status=TaskStatus.CANCELLED,
+        updated_at=P_NOW,
+        lease_until=None,
+        resume_after=None,
+        result_note=_p("p_note"),
+    )
+    .returning(t.c.id)
+)
+
 #: Is a task of ``p_agent`` due? (an idle SQLite worker's cheap look: a read, no lock)
 HAS_DUE = (
     sa.select(t.c.id)

@@ -17,15 +17,17 @@ class TaskStatus(StrEnum):
     PAUSED = "paused"
     FAILED = "failed"
     ERROR = "error"
+    CANCELLED = "cancelled"
 
 
-Q, C, D, P, F, E = (
+Q, C, D, P, F, E, X = (
     TaskStatus.QUEUED,
     TaskStatus.CLAIMED,
     TaskStatus.DONE,
     TaskStatus.PAUSED,
     TaskStatus.FAILED,
     TaskStatus.ERROR,
+    TaskStatus.CANCELLED,
 )
 
 #: Every legal move, named by the queue operation that makes it.
@@ -41,14 +43,17 @@ TRANSITIONS: dict[str, tuple[frozenset[TaskStatus], TaskStatus]] = {
     "rescue_fail": (frozenset({C}), F),  # rescued too often: a poison pill
     "resume": (frozenset({P}), Q),
     "demote": (frozenset({P}), F),
-    "retry": (frozenset({F, E}), Q),  # operator
+    "retry": (frozenset({F, E, X}), Q),  # operator
+    # Operator or producer; a claimed task's worker finds its claim gone (its settle
+    # and lease renewal match nothing) and abandons the call.
+    "cancel": (frozenset({Q, P, C}), X),
 }
 
 LEGAL: frozenset[tuple[TaskStatus, TaskStatus]] = frozenset(
     (src, dst) for sources, dst in TRANSITIONS.values() for src in sources
 )
 
-TERMINAL: frozenset[TaskStatus] = frozenset({D, F, E})
+TERMINAL: frozenset[TaskStatus] = frozenset({D, F, E, X})
 
 
 def is_legal(src: TaskStatus, dst: TaskStatus) -> bool:

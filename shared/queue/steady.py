@@ -39,6 +39,7 @@ from agentbus.queue.statements import (
     settle_params,
 )
 from agentbus.queue.states import TaskStatus
+from agentbus.queue.wakeups import SETTLED
 from agentbus.schema import route_log, task_events
 
 QUEUED, CLAIMED = TaskStatus.QUEUED.value, TaskStatus.CLAIMED.value
@@ -112,8 +113,15 @@ def ack_and_claim_postgres() -> sa.Select[Any]:
     ).cte("write_usage")
     one = sa.select(sa.literal(1).label("one")).subquery("one")
     acked_ids = sa.select(sa.func.array_agg(acked.c.id)).scalar_subquery().label("acked")
+    # Producers waiting for tasks hear that some are done (one notification per commit).
+    settled = (
+        sa.select(sa.func.pg_notify(SETTLED, ""))
+        .where(sa.exists(sa.select(acked.c.id)))
+        .scalar_subquery()
+        .label("settled")
+    )
     return (
-        sa.select(acked_ids, *claimed.c)
+        sa.select(acked_ids, settled, *claimed.c)
         .select_from(one.outerjoin(claimed, sa.true()))
         .add_cte(write_events, write_routes, write_usage)
     )

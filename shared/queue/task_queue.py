@@ -42,6 +42,7 @@ from agentbus.queue.statements import (
     settle_params,
 )
 from agentbus.queue.states import TRANSITIONS, TaskStatus
+from agentbus.queue.steering import SteeringOps
 from agentbus.queue.sweeps import SweepOps
 from agentbus.queue.tasks import Task, TaskSpec, check_payload
 from agentbus.schema import bus_commands as t
@@ -58,7 +59,7 @@ class Enqueued:
     created: bool  # False: the idempotency key named an existing task
 
 
-class TaskQueue(SweepOps):
+class TaskQueue(SweepOps, SteeringOps):
     """Queue operations over one database, with an injectable clock."""
 
     # -- producers -----------------------------------------------------------
@@ -67,37 +68,43 @@ class TaskQueue(SweepOps):
         """Insert a queued task; with an idempotency key, return the task that has it."""
         if spec.key is None:
             return Enqueued(self.enqueue_many([spec])[0], created=True)
+        return self.db.write(lambda conn: self.enqueue_on(conn, [spec])[0])
 
-        def work(conn: Connection) -> Enqueued:
-            now = self.clock()
-            row = self._row(spec, now)
+    def enqueue_on(self, conn: Connection, specs: Sequence[TaskSpec]) -> list[Enqueued]:
+        """Insert tasks through ``conn``, in its transaction (the caller's, which commits
+        or rolls back); keys are honoured. The workers hear of them on commit."""
+        now = self.clock()
+        out = [self._insert_on(conn, spec, now) for spec in specs]
+        wakeups.notify(conn, {spec.agent for spec in specs})
+        return out
+
+    def _insert_on(self, conn: Connection, spec: TaskSpec, now: float) -> Enqueued:
+        row = self._row(spec, now)
+        if spec.key is not None:
             # The key table outlives the task (retention keeps keys longer).
             known = conn.execute(sa.select(keys.c.task_id).where(keys.c.key == spec.key)).scalar()
             if known is not None:
                 return Enqueued(int(known), created=False)
-            new_id = conn.execute(self._insert_keyed, row).scalar()
-            if new_id is None:  # enqueued meanwhile by another producer
-                existing = conn.execute(
-                    sa.select(t.c.id).where(t.c.idempotency_key == spec.key)
-                ).scalar_one()
-                return Enqueued(int(existing), created=False)
+        new_id = conn.execute(self._insert_keyed, row).scalar()
+        if new_id is None:  # the key was enqueued meanwhile by another producer
+            existing = conn.execute(
+                sa.select(t.c.id).where(t.c.idempotency_key == spec.key)
+            ).scalar_one()
+            return Enqueued(int(existing), created=False)
+        if spec.key is not None:
             conn.execute(self._insert_key, {"key": spec.key, "task_id": new_id, "created_at": now})
-            events.record(conn, [events.event(new_id, None, QUEUED, now, reason="enqueue")])
-            wakeups.notify(conn, (spec.agent,))
-            return Enqueued(int(new_id), created=True)
-
-        return self.db.write(work)
+        events.record(conn, [events.event(new_id, None, QUEUED, now, reason="enqueue")])
+        return Enqueued(int(new_id), created=True)
 
     def enqueue_many(self, specs: Sequence[TaskSpec]) -> list[int]:
         """Insert many tasks in one transaction; returns their ids in order.
 
-        Tasks with an idempotency key are enqueued one by one (their ids may
-        name existing tasks). The others: on PostgreSQL one statement (the
-        tasks, their events and the workers' wake-up) in autocommit; on SQLite
-        one transaction of compiled inserts.
+        With idempotency keys, a key already known gives its task's id. Without:
+        on PostgreSQL one statement (the tasks, their events and the workers'
+        wake-up) in autocommit; on SQLite one transaction of compiled inserts.
         """
         if any(s.key is not None for s in specs):
-            return [self.enqueue(s).id for s in specs]
+            return [e.id for e in self.db.write(lambda conn: self.enqueue_on(conn, specs))]
         if not specs:
             return []
         now = self.clock()
@@ -339,7 +346,7 @@ class TaskQueue(SweepOps):
     # -- operators -----------------------------------------------------------
 
     def retry(self, task_id: int, *, by: str | None = "operator") -> None:
-        """Put a failed or errored task back on the queue with fresh attempts."""
+        """Put a failed, errored or cancelled task back on the queue with fresh attempts."""
 
         def work(conn: Connection) -> None:
             found = conn.execute(sa.select(t.c.status, t.c.agent).where(t.c.id == task_id)).first()
@@ -348,7 +355,8 @@ class TaskQueue(SweepOps):
             status, agent = found
             sources, target = TRANSITIONS["retry"]
             if status not in sources:
-                raise TransitionRejected(task_id, "retry", "failed or error", status)
+                expected = " or ".join(sorted(s.value for s in sources))
+                raise TransitionRejected(task_id, "retry", expected, status)
             now = self.clock()
             res = conn.execute(
                 sa.update(t)

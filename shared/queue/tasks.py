@@ -10,6 +10,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from agentbus.catalog.model import NAME_RE
@@ -37,7 +38,9 @@ class InvalidTask(BusError):
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """A task to enqueue. ``models`` (an explicit chain) and/or ``role`` say what runs it."""
+    """A task to enqueue. ``models`` (an explicit chain) or else ``role`` say what runs it;
+    with neither, the agent's configured chain (checked by the producer: see
+    ``agentbus.admission.routing.check_task``)."""
 
     agent: str
     command: str
@@ -75,8 +78,6 @@ def validate(spec: TaskSpec) -> None:
         raise InvalidTask("the task text is empty")
     if len(spec.command) > MAX_TEXT:
         raise InvalidTask(f"the task text is longer than {MAX_TEXT} characters")
-    if spec.models is None and spec.role is None:
-        raise InvalidTask("a task needs a model chain (--models) or a role (--role)")
     if spec.models is not None:
         if not spec.models:
             raise InvalidTask("the model chain is empty")
@@ -259,11 +260,32 @@ class Task:
             updated_at=row["updated_at"],
         )
 
+    # The times a producer reads most, as aware UTC datetimes (the fields are epochs).
+    @property
+    def created(self) -> datetime | None:
+        return _utc(self.created_at)
+
+    @property
+    def updated(self) -> datetime | None:
+        return _utc(self.updated_at)
+
+    @property
+    def runs_after(self) -> datetime | None:
+        return _utc(self.run_after)
+
+    @property
+    def resumes_after(self) -> datetime | None:
+        return _utc(self.resume_after)
+
     def as_dict(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "problem"}
         out["status"] = self.status.value
         out["models"] = list(self.models) if self.models is not None else None
         return out
+
+
+def _utc(epoch: float | None) -> datetime | None:
+    return None if epoch is None else datetime.fromtimestamp(epoch, UTC)
 
 
 def _row_problem(payload: Any, models: Any) -> str | None:

@@ -13,7 +13,7 @@ just come sends none.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -23,8 +23,10 @@ from agentbus.logging import get_logger
 log = get_logger("agentbus.wakeups")
 
 CHANNEL = "agentbus_queued"
+SETTLED = "agentbus_settled"  # a task reached an end (done, failed, error, cancelled)
 LOOK_SEC = 0.05
 _NOTIFY = sa.select(sa.func.pg_notify(CHANNEL, sa.bindparam("agent")))
+_SETTLED = sa.select(sa.func.pg_notify(SETTLED, ""))
 
 
 def notify(conn: Connection, agents: Iterable[str]) -> None:
@@ -35,13 +37,29 @@ def notify(conn: Connection, agents: Iterable[str]) -> None:
         conn.execute(_NOTIFY, {"agent": agent})
 
 
-class Listener:
-    """Sets ``wake`` whenever a task of ``agent`` is queued (a thread LISTENing on its own
-    PostgreSQL connection; it reconnects after an error, and wakes the worker then too,
-    since a task may have come meanwhile)."""
+def settled(conn: Connection) -> None:
+    """Tell the producers waiting for tasks that some reached an end (PostgreSQL; on
+    commit): each looks again at the tasks it waits for."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(_SETTLED)
 
-    def __init__(self, conninfo: str, agent: str, wake: threading.Event) -> None:
-        self.conninfo, self.agent, self.wake = conninfo, agent, wake
+
+class Listener:
+    """Calls ``wake()`` whenever ``channel`` is notified with ``payload`` (None: any) — a
+    task of an agent queued, or tasks settled — from a thread LISTENing on its own
+    PostgreSQL connection; it reconnects after an error, and wakes its owner then
+    too, since something may have happened meanwhile."""
+
+    def __init__(
+        self,
+        conninfo: str,
+        wake: Callable[[], None],
+        *,
+        channel: str = CHANNEL,
+        payload: str | None = None,
+    ) -> None:
+        self.conninfo, self.wake = conninfo, wake
+        self.channel, self.payload = channel, payload
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="wakeups", daemon=True)
 
@@ -61,12 +79,12 @@ class Listener:
         while not self._closed.is_set():
             try:
                 with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=10) as conn:
-                    conn.execute(f"LISTEN {CHANNEL}")
-                    self.wake.set()
+                    conn.execute(f"LISTEN {self.channel}")
+                    self.wake()
                     while not self._closed.is_set():
                         for note in conn.notifies(timeout=0.5):
-                            if note.payload == self.agent:
-                                self.wake.set()
+                            if self.payload is None or note.payload == self.payload:
+                                self.wake()
             except Exception as exc:  # the database is away: poll meanwhile, try again
                 log.warning("wakeups_unavailable", error=f"{type(exc).__name__}: {exc}")
                 self._closed.wait(5.0)
