@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from agentbus.async_client import AsyncAgentBus
-    from agentbus.client import AgentBus, WaitTimeout
+    from agentbus.client import AgentBus
+    from agentbus.errors import WaitTimeout
 
 __all__ = ["AgentBus", "AsyncAgentBus", "WaitTimeout"]
 
@@ -26,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from agentbus import async_client
 
         return async_client.AsyncAgentBus
+    if name == "WaitTimeout":
+        from agentbus import errors
+
+        return errors.WaitTimeout
     if name in __all__:
         from agentbus import client
 

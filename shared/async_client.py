@@ -21,8 +21,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from agentbus.client import FIRST_LOOK_SEC, AgentBus, WaitTimeout
+from agentbus.client import FIRST_LOOK_SEC, AgentBus
 from agentbus.config import Settings
+from agentbus.errors import WaitTimeout
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import Task
 

@@ -36,10 +36,10 @@ from agentbus.admission.routing import check_task
 from agentbus.catalog import Catalog
 from agentbus.config import Config, Settings, load_config
 from agentbus.db import Database
-from agentbus.errors import ConfigError, TaskNotFound
+from agentbus.errors import ConfigError, InvalidTask, TaskNotFound, WaitTimeout
 from agentbus.queue import TaskQueue, reads, wakeups
 from agentbus.queue.states import TERMINAL, TaskStatus
-from agentbus.queue.tasks import InvalidTask, Task, TaskSpec
+from agentbus.queue.tasks import Task, TaskSpec
 from agentbus.schema import bus_commands
 
 FIRST_LOOK_SEC = 0.005
@@ -59,10 +59,6 @@ ITEM_KEYS = frozenset(
         "key",
     }
 )
-
-
-class WaitTimeout(TimeoutError):
-    """The task did not finish in time (it is still on the queue)."""
 
 
 class AgentBus:

@@ -27,6 +27,16 @@ class ConfigError(BusError):
     """The configuration is invalid."""
 
 
+class InvalidTask(BusError):
+    """The task is invalid."""
+
+
+class WaitTimeout(BusError, TimeoutError):
+    """The task did not finish in time (it is still on the queue)."""
+
+    exit_code = 1
+
+
 class DatabaseUnavailable(BusError):
     """The database cannot be reached."""
 

@@ -11,11 +11,10 @@ import pytest
 import sqlalchemy as sa
 
 from agentbus import AsyncAgentBus
-from agentbus.client import AgentBus, WaitTimeout
-from agentbus.errors import NotMigrated, TaskNotFound
+from agentbus.client import AgentBus
+from agentbus.errors import InvalidTask, NotMigrated, TaskNotFound, WaitTimeout
 from agentbus.queue import TaskQueue, reads
 from agentbus.queue.states import TaskStatus
-from agentbus.queue.tasks import InvalidTask
 
 
 def test_enqueue_and_wait_for_the_result(db_url: str) -> None:

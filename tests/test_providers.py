@@ -11,12 +11,12 @@ import httpx
 import pytest
 
 from agentbus.catalog import AccountConfig, ProviderConfig, parse_catalog
+from agentbus.errors import InvalidTask
 from agentbus.providers import CallRequest
 from agentbus.providers.command import CommandProvider
 from agentbus.providers.openai import OpenAIProvider, retry_after
 from agentbus.providers.outcomes import AuthFailed, Failed, RateLimited, Succeeded, TimedOut, Usage
 from agentbus.providers.simulated import SimulatedProvider
-from agentbus.queue.tasks import InvalidTask
 
 KEY = "sk-test-5ecret-do-not-log"
 CONFIG = ProviderConfig(

@@ -23,12 +23,12 @@ from agentbus.admission.admission import Admission
 from agentbus.admission.gates import Code, Refusal
 from agentbus.admission.routing import Candidate, Route
 from agentbus.config import Settings
-from agentbus.errors import ConfigError
+from agentbus.errors import ConfigError, InvalidTask
 from agentbus.logging import get_logger
 from agentbus.providers import CallRequest, Provider, Providers, outcomes
 from agentbus.providers.outcomes import Outcome
 from agentbus.queue.decisions import Decision, Fail, Settlement
-from agentbus.queue.tasks import InvalidTask, Task
+from agentbus.queue.tasks import Task
 from agentbus.worker import policy
 
 log = get_logger("agentbus.worker")

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from agentbus.errors import InvalidTask
 from agentbus.providers import CallRequest
 from agentbus.providers.outcomes import (
     ALIASES,
@@ -39,7 +40,6 @@ from agentbus.providers.outcomes import (
     Usage,
     failure_named,
 )
-from agentbus.queue.tasks import InvalidTask
 
 CRASH = "crash"
 BEHAVIOURS = (*(n.value for n in OutcomeName), *ALIASES, CRASH)

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agentbus.catalog.model import NAME_RE
-from agentbus.errors import BusError
+from agentbus.errors import InvalidTask
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import InvalidJSON
 
@@ -30,10 +30,6 @@ class PayloadLimits:
 
     max_bytes: int = 1_048_576
     max_depth: int = 32
-
-
-class InvalidTask(BusError):
-    """The task is invalid."""
 
 
 @dataclass(frozen=True)
