@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from types import FrameType
@@ -113,13 +114,33 @@ def config_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
 
-def fmt_time(epoch: float | None) -> str:
+def fmt_time(epoch: float | None, now: float | None = None, *, ago: bool = True) -> str:
+    """A time as people read it: ISO-8601 in the local zone, and (``ago``) how far from
+    now (``2026-12-01 12:03:15+09:00 (in 2m13s)``)."""
     if epoch is None:
         return "-"
     try:
-        return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+        shown = datetime.fromtimestamp(epoch, UTC).astimezone().isoformat(" ", "seconds")
     except (OverflowError, OSError, ValueError):  # a time no calendar holds (a row by hand)
         return repr(epoch)
+    if not ago:
+        return shown
+    return f"{shown} ({relative(epoch - (time.time() if now is None else now))})"
+
+
+def relative(seconds: float) -> str:
+    """``in 2m13s``, ``2m13s ago``, ``now``."""
+    whole = round(abs(seconds))
+    if whole == 0:
+        return "now"
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [f"{n}{unit}" for n, unit in ((days, "d"), (hours, "h"), (minutes, "m")) if n]
+    if secs or not parts:
+        parts.append(f"{secs}s")
+    text = "".join(parts[:2])
+    return f"in {text}" if seconds > 0 else f"{text} ago"
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:

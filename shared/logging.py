@@ -52,5 +52,15 @@ class _LazyLogger:
         return getattr(structlog.get_logger(self._name), attr)
 
 
+def when(epoch: float) -> str:
+    """An epoch as a log line shows it: ISO-8601, local zone, to the millisecond."""
+    from datetime import UTC, datetime
+
+    try:
+        return datetime.fromtimestamp(epoch, UTC).astimezone().isoformat(timespec="milliseconds")
+    except (OverflowError, OSError, ValueError):
+        return repr(epoch)
+
+
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
     return cast("structlog.typing.FilteringBoundLogger", _LazyLogger(name))

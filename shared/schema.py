@@ -386,3 +386,15 @@ workspace_settings = sa.Table(
     sa.Column("updated_at", Epoch, nullable=False),
     sa.Column("updated_by", sa.Text),
 )
+
+#: Counters that never go backwards (retention deletes the rows they count, not the
+#: count): kept by triggers in the transaction of each change (migration 0012).
+#: ``name`` is the metric (pauses, resumes, demotions, task_ends, admission_refusals),
+#: ``label`` its one label's value ('' when it has none).
+bus_counters = sa.Table(
+    "bus_counters",
+    metadata,
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("label", sa.Text, primary_key=True, server_default=""),
+    sa.Column("value", sa.BigInteger, nullable=False, server_default="0"),
+)

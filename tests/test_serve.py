@@ -14,19 +14,22 @@ from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
+from prometheus_client.parser import text_string_to_metric_families
 
 from agentbus.admission.budget import write_setting
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import Code, Refusal
 from agentbus.admission.routing import Route
 from agentbus.db import Database
-from agentbus.queue import TaskQueue
-from agentbus.queue.decisions import Pause, Settlement
+from agentbus.queue import TaskQueue, retention
+from agentbus.queue.decisions import Complete, Pause, Settlement
 from agentbus.queue.tasks import TaskSpec
 from agentbus.queue.workers import WorkerRegistry
 from agentbus.schema import circuits
 from tests.conftest import IN_CI
 from tests.support import Proc, free_port, wait_until
+from tests.test_worker_outages import database_away
 
 pytestmark = pytest.mark.process
 
@@ -43,7 +46,14 @@ def seed(url: str) -> dict[str, Any]:
     # Paused as a worker pauses it: the refused candidate's route row and the event.
     refusal = Refusal(Code.CIRCUIT_OPEN, now + 120, "the circuit is open", "circuit")
     route = Route(
-        task.id, task.claim_token, "ron", "sim/opus", "refuse", now, refusal=refusal.as_dict(now)
+        task.id,
+        task.claim_token,
+        "ron",
+        "sim/opus",
+        "refuse",
+        now,
+        code=refusal.code.value,
+        refusal=refusal.as_dict(now),
     )
     pause = Pause(now + 120, "sim/opus", "all candidate models are refused (circuit_open)")
     detail = {"refusals": {"sim/opus": refusal.as_dict(now)}}
@@ -63,9 +73,33 @@ def seed(url: str) -> dict[str, Any]:
         )
     )
     WorkerRegistry(db, "codex@test:1", "codex").register()
+    # A task done with a call's tokens, one failed with its error, one queued for an agent
+    # nobody serves.
+    done = queue.enqueue(TaskSpec(agent="writer", command="d", models=("sim/opus",))).id
+    (claim,) = queue.claim("writer", "w", 30)
+    call = Route(
+        done,
+        claim.claim_token,
+        "writer",
+        "sim/opus",
+        "call",
+        now,
+        provider="sim",
+        prompt_tokens=30,
+        completion_tokens=12,
+        cost=0.5,
+    )
+    assert (
+        queue.settle(Settlement(done, claim.claim_token, Complete("ok", "sim/opus"), [call]))
+        is None
+    )
+    failed = queue.enqueue(TaskSpec(agent="writer", command="f", models=("sim/opus",))).id
+    (claim,) = queue.claim("writer", "w", 30)
+    queue.fail(failed, claim.claim_token, "HTTP 400: the prompt is too long")
+    queue.enqueue(TaskSpec(agent="orphan", command="o", models=("sim/opus",)))
     write_setting(db, mode="warn", size=None, by="ops")  # the workspace's budget, not a flag's
     db.dispose()
-    return {"paused": paused}
+    return {"paused": paused, "failed": failed}
 
 
 @pytest.fixture
@@ -90,7 +124,17 @@ def test_status_and_metrics_over_http(
 ) -> None:
     base, facts = served
     doc = httpx.get(base + "/workspace/status").json()
-    assert doc["queue"] == {"codex": {"queued": 3}, "ron": {"paused": 1}}
+    assert doc["queue"] == {
+        "codex": {"queued": 3},
+        "ron": {"paused": 1},
+        "writer": {"done": 1, "failed": 1},
+        "orphan": {"queued": 1},
+    }
+    assert doc["unserved"] == ["orphan"] and doc["live_workers"] == {"codex": 1}
+    assert [(f["id"], f["last_error"]) for f in doc["recent_failures"]] == [
+        (facts["failed"], "HTTP 400: the prompt is too long")
+    ]
+    assert sum(doc["last_hour"]["done"]) == 1 and sum(doc["last_hour"]["failed"]) == 1
     assert [p["id"] for p in doc["paused_due_soon"]] == [facts["paused"]]
     assert 100 < doc["paused_due_soon"][0]["seconds_left"] <= 120
     circuit_open = {
@@ -134,10 +178,44 @@ def test_status_and_metrics_over_http(
         "agentbus_cooldowns_active 1.0",
         'agentbus_circuit_state{provider="flaky"} 2.0',
         "agentbus_budget_reserved 0.0",
-        'agentbus_worker_backoff_seconds{agent="codex",worker="codex@test:1"} 0.0',
+        'agentbus_worker_backoff_seconds{agent="codex"} 0.0',
+        'agentbus_task_ends_total{status="failed"} 1.0',
+        'agentbus_admission_refusals_total{code="circuit_open"} 1.0',
+        'agentbus_workers{agent="codex"} 1.0',
+        'agentbus_tokens_total{model="sim/opus"} 42.0',
+        'agentbus_cost_total{model="sim/opus"} 0.5',
     ):
         assert line in text, line
-    assert "# TYPE agentbus_admission_refusals_total counter" in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    oldest = families["agentbus_queue_oldest_age_seconds"].samples
+    assert {s.labels["agent"] for s in oldest} == {"codex", "orphan"}
+    assert all(0 <= s.value < 600 for s in oldest)
+    # Retention deletes the history the counters counted: they stay where they were.
+    before = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in families.values()
+        if f.type == "counter"
+        for s in f.samples
+    }
+    db = Database(db_url)
+    assert (
+        retention.prune(db, time.time() + 10**6, done_sec=1, failed_sec=1, batch=100, routes_sec=1)
+        == 2
+    )
+    db.dispose()
+    after_text = httpx.get(base + "/metrics").text
+    after = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(after_text)
+        if f.type == "counter"
+        for s in f.samples
+    }
+    assert after == before and len(before) >= 8
+    assert httpx.get(base + "/healthz").text == "ok\n"
+    head = httpx.head(base + "/")
+    assert (
+        head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) > 0
+    )
     assert httpx.post(base + "/workspace/status").status_code == 405  # read-only
     assert httpx.get(base + "/nothing").status_code == 404
 
@@ -186,6 +264,32 @@ def test_the_dashboard_shows_live_numbers_in_a_browser(
     assert "preservation" in dom  # the KPIs
     assert "<b>-32001</b> circuit_open (circuit) · WAIT_FOR_CIRCUIT_PROBE" in dom  # why paused
     assert "<td><b>-32001</b></td>" in dom  # the recent refusals
+    # What an operator acts on first: the agent nobody serves, the failures and why.
+    assert "queued for agent <b>orphan</b>, and no live worker serves it" in dom
+    assert f'<td class="n">{facts["failed"]}</td>' in dom
+    assert "<td>HTTP 400: the prompt is too long</td>" in dom
+    assert "<b>3</b>queued" in dom or "<b>4</b>queued" in dom  # the headline
+    assert "<polyline" in dom  # the last hour
+    for width in (1024, 1400):  # no table wider than its section (the page measures them)
+        shown = subprocess.run(
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                f"--user-data-dir={tmp_path / f'profile{width}'}",
+                f"--window-size={width},1200",
+                "--virtual-time-budget=4000",
+                "--dump-dom",
+                base + "/?layout",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            check=True,
+        ).stdout
+        assert "overflowing: none" in shown, (width, shown[shown.find("overflowing") :][:200])
 
 
 def test_serve_answers_only_its_own_names_and_bounds_its_connections(
@@ -233,3 +337,25 @@ def test_serve_answers_only_its_own_names_and_bounds_its_connections(
     warned = spawn("busctl", "--db", db_url, "serve", "--host", "0.0.0.0", "--port", "0")
     wait_until(lambda: "serving http://0.0.0.0" in warned.text(), timeout=30)
     assert "without authentication" in warned.text()
+
+
+def test_healthz_says_when_the_database_is_away_and_when_it_is_back(
+    served: tuple[str, dict[str, Any]], db_url: str
+) -> None:
+    base, _ = served
+    assert httpx.get(base + "/healthz").status_code == 200
+    parsed = sa.make_url(db_url)
+    if parsed.get_backend_name() == "sqlite":  # the file gone (a volume unmounted, say)
+        path = Path(str(parsed.database))
+        aside = path.with_name(path.name + ".aside")
+        path.rename(aside)
+        try:
+            away = httpx.get(base + "/healthz")
+        finally:
+            aside.rename(path)
+    else:
+        with database_away(db_url):
+            away = httpx.get(base + "/healthz", timeout=30)
+    assert away.status_code == 503 and away.text.startswith("unavailable: "), away.text
+    wait_until(lambda: httpx.get(base + "/healthz").status_code == 200, timeout=30)
+    assert httpx.head(base + "/healthz").status_code == 200

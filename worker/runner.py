@@ -24,7 +24,7 @@ from agentbus.admission.gates import Code, Refusal
 from agentbus.admission.routing import Candidate, Route
 from agentbus.config import Settings
 from agentbus.errors import ConfigError, InvalidTask
-from agentbus.logging import get_logger
+from agentbus.logging import get_logger, when
 from agentbus.providers import CallRequest, Provider, Providers, outcomes
 from agentbus.providers.outcomes import Outcome
 from agentbus.queue.decisions import Decision, Fail, Settlement
@@ -161,7 +161,7 @@ class Runner:
                         "model_cooldown_set",
                         task_id=task.id,
                         model=cooled.key,
-                        until=round(cooled.until, 3),
+                        until=when(cooled.until),
                         detail=outcome.detail,
                     )
                 case outcomes.AuthFailed(detail=detail):

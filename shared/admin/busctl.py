@@ -169,8 +169,12 @@ def events_cmd(c: Context, kinds: tuple[str, ...], limit: int, follow: bool) -> 
     cli.on_stop_signals(lambda *_: stop.set())
     while True:
         for e in journal.recent(db, kinds=kinds, since=since, limit=limit):
-            detail = " ".join(f"{k}={v}" for k, v in (e["detail"] or {}).items())
-            click.echo(f"{cli.fmt_time(e['at'])}  {e['kind']:<17} {e['scope']:<9} {detail}")
+            detail = " ".join(
+                f"{k}={cli.fmt_time(v) if k in journal.TIMES and isinstance(v, float) else v}"
+                for k, v in (e["detail"] or {}).items()
+            )
+            at = cli.fmt_time(e["at"], ago=False)
+            click.echo(f"{at}  {e['kind']:<17} {e['scope']:<9} {detail}")
             since = e["at"]
         if not follow or stop.wait(1.0):
             return
@@ -232,11 +236,26 @@ def serve_cmd(
     ignored = budget.disagreement(settings, budget.read_setting(db))
     if ignored is not None:
         click.echo(f"busctl: warning: {ignored}", err=True)
+
+    def snapshot(kpis: bool) -> dict[str, Any]:
+        return status.snapshot(db, settings, kpis=kpis)
+
+    def health() -> str | None:
+        """None when the database answers and its schema is at head; else why not."""
+        try:
+            db.require_migrated()
+        except BusError as exc:
+            return exc.message
+        except Exception as exc:  # the database went away: the server keeps serving
+            return f"database unavailable: {type(exc).__name__}"
+        return None
+
     try:
         server = serve.make_server(
             host,
             port,
-            lambda: status.snapshot(db, settings),
+            snapshot,
+            health=health,
             allowed_hosts=allow_hosts,
             timeout=timeout_sec,
             max_connections=max_connections,
@@ -253,7 +272,8 @@ def serve_cmd(
             err=True,
         )
     click.echo(
-        f"busctl: serving http://{host}:{bound}/ (status: /workspace/status, metrics: /metrics)",
+        f"busctl: serving http://{host}:{bound}/ (status: /workspace/status, metrics: /metrics,"
+        " health: /healthz)",
         err=True,
     )
     try:

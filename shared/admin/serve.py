@@ -1,9 +1,11 @@
 """``busctl serve``: the status snapshot over HTTP, Prometheus metrics, and a dashboard.
 
 Read-only: ``GET /workspace/status`` (the ``busctl status --json`` document),
-``GET /metrics`` (Prometheus text format, computed from the database on each
-scrape) and ``GET /`` (a self-contained page that polls the status document;
-no build step, no external assets). Anything else is 404 (or 405 for writes).
+``GET /metrics`` (Prometheus text format, read from the database on each
+scrape), ``GET /healthz`` (200 when the database answers and its schema is at
+head, 503 and why otherwise) and ``GET /`` (a self-contained page that polls
+the status document; no build step, no external assets); HEAD on each. Anything
+else is 404 (or 405 for writes).
 """
 
 from __future__ import annotations
@@ -23,18 +25,21 @@ from prometheus_client.registry import Collector
 from agentbus.logging import get_logger
 
 log = get_logger("agentbus.serve")
-Snapshot = Callable[[], dict[str, Any]]
+Snapshot = Callable[[bool], dict[str, Any]]  # the status document (with the KPIs?)
 CIRCUIT_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
 
 class SnapshotCollector(Collector):
-    """Prometheus metrics from one status snapshot per scrape."""
+    """Prometheus metrics from one status snapshot per scrape (without the KPIs, whose
+    views read the whole history: ``busctl kpi`` and SQL have them). Counters come
+    from ``bus_counters`` and never go backwards; every label set is bounded
+    (status, agent, model, provider, code — no per-process label)."""
 
     def __init__(self, snapshot: Snapshot) -> None:
         self.snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        doc = self.snapshot()
+        doc = self.snapshot(False)
         tasks = GaugeMetricFamily(
             "agentbus_tasks", "Tasks by status and agent.", labels=["status", "agent"]
         )
@@ -42,14 +47,53 @@ class SnapshotCollector(Collector):
             for status, n in statuses.items():
                 tasks.add_metric([status, agent], n)
         yield tasks
-        counters = doc["counters"]
+        counted = doc["counters"]
         for name, key, what in (
             ("agentbus_pauses", "pauses", "Task pauses (every candidate refused or cooling)."),
-            ("agentbus_resumes", "resumes", "Paused tasks the sweeper put back on the queue."),
+            ("agentbus_resumes", "resumes", "Paused tasks put back on the queue."),
             ("agentbus_demotions", "demotions", "Tasks failed after pausing too long."),
-            ("agentbus_budget_refused", "budget_refused", "Client budget refusals."),
         ):
-            yield CounterMetricFamily(name, what, value=counters[key])
+            yield CounterMetricFamily(name, what, value=sum(counted.get(key, {}).values()))
+        yield CounterMetricFamily(
+            "agentbus_budget_refused", "Client budget refusals.", value=doc["budget_refused"]
+        )
+        yield _labelled(
+            CounterMetricFamily(
+                "agentbus_task_ends",
+                "Tasks that ended failed, in error or cancelled.",
+                labels=["status"],
+            ),
+            counted.get("task_ends", {}),
+        )
+        yield _labelled(
+            CounterMetricFamily(
+                "agentbus_admission_refusals", "Admission refusals by code.", labels=["code"]
+            ),
+            counted.get("admission_refusals", {}),
+        )
+        yield _labelled(
+            GaugeMetricFamily(
+                "agentbus_queue_oldest_age_seconds",
+                "Age of the oldest due queued task, per agent.",
+                labels=["agent"],
+            ),
+            doc["oldest_queued_age"],
+        )
+        yield _labelled(
+            GaugeMetricFamily(
+                "agentbus_workers", "Live workers (by heartbeat), per agent.", labels=["agent"]
+            ),
+            doc["live_workers"],
+        )
+        tokens = CounterMetricFamily("agentbus_tokens", "Tokens used, per model.", labels=["model"])
+        cost = CounterMetricFamily(
+            "agentbus_cost", "Cost of the calls, per model.", labels=["model"]
+        )
+        for used in doc["usage_totals"]:
+            tokens.add_metric([used["model"]], used["tokens"])
+            cost.add_metric([used["model"]], used["cost"])
+        yield tokens
+        yield cost
         cooling = GaugeMetricFamily(
             "agentbus_cooldown_seconds_left",
             "Active model cooldowns: seconds left.",
@@ -77,27 +121,33 @@ class SnapshotCollector(Collector):
             yield GaugeMetricFamily(
                 "agentbus_budget_limit", "The client budget.", value=budget["budget"]
             )
-        backoff = GaugeMetricFamily(
-            "agentbus_worker_backoff_seconds",
-            "Seconds of backoff left per worker (0: working).",
-            labels=["worker", "agent"],
-        )
-        failures = GaugeMetricFamily(
-            "agentbus_worker_consecutive_failures",
-            "Consecutive genuine failures per worker.",
-            labels=["worker", "agent"],
-        )
+        backoff: dict[str, float] = {}
+        failures: dict[str, float] = {}
         for w in doc["workers"]:
-            backoff.add_metric([w["id"], w["agent"]], w["backoff_left"])
-            failures.add_metric([w["id"], w["agent"]], w["consecutive_failures"])
-        yield backoff
-        yield failures
-        refusals = CounterMetricFamily(
-            "agentbus_admission_refusals", "Admission refusals by code.", labels=["code"]
+            backoff[w["agent"]] = max(backoff.get(w["agent"], 0.0), w["backoff_left"])
+            failures[w["agent"]] = max(failures.get(w["agent"], 0), w["consecutive_failures"])
+        yield _labelled(
+            GaugeMetricFamily(
+                "agentbus_worker_backoff_seconds",
+                "Longest backoff left among an agent's workers (0: working).",
+                labels=["agent"],
+            ),
+            backoff,
         )
-        for code, n in sorted(doc["refusals_by_code"].items()):
-            refusals.add_metric([code], n)
-        yield refusals
+        yield _labelled(
+            GaugeMetricFamily(
+                "agentbus_worker_consecutive_failures",
+                "Most consecutive genuine failures among an agent's workers.",
+                labels=["agent"],
+            ),
+            failures,
+        )
+
+
+def _labelled(family: Any, values: dict[str, Any]) -> Any:
+    for label, value in sorted(values.items()):
+        family.add_metric([label], value)
+    return family
 
 
 class BoundedServer(ThreadingHTTPServer):
@@ -131,6 +181,7 @@ def make_server(
     port: int,
     snapshot: Snapshot,
     *,
+    health: Callable[[], str | None] = lambda: None,
     allowed_hosts: Iterable[str] = (),
     timeout: float = 10.0,
     max_connections: int = 32,
@@ -146,14 +197,27 @@ def make_server(
     class Handler(BaseHTTPRequestHandler):
         server_version = "agentbus"
 
+        def do_HEAD(self) -> None:
+            self._get(head=True)
+
         def do_GET(self) -> None:
+            self._get(head=False)
+
+        def _get(self, *, head: bool) -> None:
+            self.head = head
             path = self.path.split("?", 1)[0]
             if not _host_allowed(self.headers.get("Host"), hosts):
                 self._send(403, "text/plain", b"host not allowed (busctl serve --allow-host)\n")
                 return
             try:
-                if path == "/workspace/status":
-                    body = json.dumps(snapshot(), default=str).encode()
+                if path == "/healthz":
+                    why = health()
+                    if why is None:
+                        self._send(200, "text/plain", b"ok\n")
+                    else:
+                        self._send(503, "text/plain", f"unavailable: {why}\n".encode())
+                elif path == "/workspace/status":
+                    body = json.dumps(snapshot(True), default=str).encode()
                     self._send(200, "application/json", body)
                 elif path == "/metrics":
                     self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
@@ -176,7 +240,8 @@ def make_server(
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Cache-Control", "no-store")
             self.end_headers()
-            self.wfile.write(body)
+            if not getattr(self, "head", False):
+                self.wfile.write(body)
 
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("http", request=self.requestline, status=args[1] if len(args) > 1 else None)

@@ -9,7 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from agentbus.admin import kpi
+from agentbus.admin import kpi, observe
 from agentbus.admission import journal
 from agentbus.admission.budget import client_budget
 from agentbus.admission.cooldowns import CooldownStore
@@ -24,7 +24,11 @@ DUE_SOON = 20  # paused tasks listed, soonest first
 RECENT_REFUSALS = 20  # refused or skipped candidates listed, newest first
 
 
-def snapshot(db: Database, settings: Settings, now: float | None = None) -> dict[str, Any]:
+def snapshot(
+    db: Database, settings: Settings, now: float | None = None, *, kpis: bool = True
+) -> dict[str, Any]:
+    """The status document. ``kpis`` False leaves out the KPIs (their views read the
+    whole history: /metrics does without them)."""
     now = time.time() if now is None else now
     budget = client_budget(db, settings, holder="status")
     counts = reads.counts(db)
@@ -35,6 +39,7 @@ def snapshot(db: Database, settings: Settings, now: float | None = None) -> dict
     for (status, _), n in counts.items():
         totals[status] = totals.get(status, 0) + n
     doc = db.read(lambda conn: _tables(conn, now))
+    seen = db.read(lambda conn: observe.observe(conn, now, settings.worker_stale_sec))
     cooling = CooldownStore(db, clock=lambda: now, cache_sec=1e-9).details()
     return {
         "now": now,
@@ -43,6 +48,8 @@ def snapshot(db: Database, settings: Settings, now: float | None = None) -> dict
         "queue": queue,
         "totals": totals,
         **doc,
+        **seen,
+        "unserved": observe.unserved(queue, seen["live_workers"]),
         "cooldowns": [
             {
                 "model": c["model_id"],
@@ -61,7 +68,7 @@ def snapshot(db: Database, settings: Settings, now: float | None = None) -> dict
             for c in reads.circuit_states(db)
         ],
         "usage_today": reads.usage_by_day(db, now),
-        "kpis": [k.as_dict() for k in kpi.compute(db)],
+        "kpis": [k.as_dict() for k in kpi.compute(db)] if kpis else [],
         "events": journal.recent(db, limit=20),
     }
 
@@ -87,29 +94,6 @@ def _tables(conn: Connection, now: float) -> dict[str, Any]:
         .order_by(route_log.c.id.desc())
         .limit(RECENT_REFUSALS)
     ).all()
-    refusals = conn.execute(
-        sa.select(route_log.c.code, sa.func.count())
-        .where(route_log.c.code.is_not(None))
-        .group_by(route_log.c.code)
-    ).all()
-    moves = conn.execute(
-        sa.select(
-            sa.func.sum(sa.case((task_events.c.to_status == TaskStatus.PAUSED, 1), else_=0)),
-            sa.func.sum(
-                sa.case(
-                    (
-                        sa.and_(
-                            task_events.c.from_status == TaskStatus.PAUSED,
-                            task_events.c.to_status == TaskStatus.QUEUED,
-                        ),
-                        1,
-                    ),
-                    else_=0,
-                )
-            ),
-            sa.func.sum(sa.case((task_events.c.reason == "demoted", 1), else_=0)),
-        )
-    ).one()
     refused_names = conn.execute(
         sa.select(bus_events.c.detail).where(bus_events.c.kind == "refused_batch")
     ).scalars()
@@ -151,13 +135,7 @@ def _tables(conn: Connection, now: float) -> dict[str, Any]:
             }
             for w in beats
         ],
-        "counters": {
-            "pauses": int(moves[0] or 0),
-            "resumes": int(moves[1] or 0),
-            "demotions": int(moves[2] or 0),
-            "budget_refused": sum(int((d or {}).get("count", 0)) for d in refused_names),
-        },
-        "refusals_by_code": {code: int(n) for code, n in refusals},
+        "budget_refused": sum(int((d or {}).get("count", 0)) for d in refused_names),
     }
 
 

@@ -51,6 +51,7 @@ from agentbus.catalog import Catalog
 from agentbus.config import Config, LiveConfig, Settings
 from agentbus.db import Database, prepared
 from agentbus.logging import get_logger
+from agentbus.providers import outcomes
 from agentbus.providers.outcomes import AuthFailed, Outcome, RateLimited, TimedOut, Usage
 from agentbus.schema import account_state, call_slots
 
@@ -349,9 +350,8 @@ class Admission:
         until = cooldown_until(
             outcome, self.clock(), s.model_cooldown_sec, s.model_timeout_cooldown_sec
         )
-        effective = self.cooldowns.set(
-            key, until, reason=type(outcome).__name__, source=self.worker
-        )
+        reason = outcomes.name_of(outcome).value  # rate_limited, overloaded or timeout
+        effective = self.cooldowns.set(key, until, reason=reason, source=self.worker)
         return Cooled(key, effective)
 
     def _release(self, permit: Permit, outcome: Outcome | None) -> None:

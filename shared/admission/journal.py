@@ -18,12 +18,13 @@ from sqlalchemy.engine import Connection
 
 from agentbus import masking
 from agentbus.db import Database
-from agentbus.logging import get_logger
+from agentbus.logging import get_logger, when
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_events, task_events
 
 log = get_logger("agentbus.events")
 WORKSPACE = "workspace"
+TIMES = frozenset({"until", "was_until", "resume_after", "open_until", "opened_at"})  # epochs
 SESSION = "session"
 TASK_KINDS = ("paused", "resumed", "demoted")
 PAUSED = TaskStatus.PAUSED
@@ -42,7 +43,11 @@ def emit(
     conn.execute(
         sa.insert(bus_events).values(at=at, kind=kind, scope=scope, source=source, detail=detail)
     )
-    log.info(kind, scope=scope, source=source, **dict(detail or {}))
+    shown = {
+        k: when(v) if k in TIMES and isinstance(v, (int, float)) else v
+        for k, v in dict(detail or {}).items()
+    }
+    log.info(kind, scope=scope, source=source, **shown)
 
 
 def recent(

@@ -27,7 +27,12 @@ from agentbus.schema import bus_commands as t
 from agentbus.schema import idempotency_keys as keys
 from agentbus.schema import task_events as ev
 
-DONE, FAILED, ERROR = TaskStatus.DONE, TaskStatus.FAILED, TaskStatus.ERROR
+DONE, FAILED, ERROR, CANCELLED = (
+    TaskStatus.DONE,
+    TaskStatus.FAILED,
+    TaskStatus.ERROR,
+    TaskStatus.CANCELLED,
+)
 
 
 def prune(
@@ -44,7 +49,7 @@ def prune(
 ) -> int:
     """Delete old finished tasks (and their events); returns how many tasks went."""
     total = 0
-    finished = ((DONE,), done_sec), ((FAILED, ERROR), failed_sec)
+    finished = ((DONE,), done_sec), ((FAILED, ERROR, CANCELLED), failed_sec)
     first_own = 0 if adopted else adopted_through(db) + 1
     for statuses, keep in finished:
         if keep <= 0:

@@ -1,0 +1,104 @@
+"""What operators watch, read cheaply: the monotonic counters, the age of each agent's
+oldest queued task, live workers per agent, token and cost totals, the tasks that
+failed lately, and the last hour minute by minute.
+
+Every read here costs what the rows that matter cost, not the history: counters
+are rows of ``bus_counters`` (kept by triggers); ages and failures read the
+partial and time indexes; the last hour is a range scan of ``task_events.at``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from agentbus.queue.states import TaskStatus
+from agentbus.schema import bus_commands as t
+from agentbus.schema import bus_counters, task_events, usage_daily, workers
+
+RECENT_FAILURES = 20
+HOUR = 3600.0
+
+
+def observe(conn: Connection, now: float, stale_sec: float) -> dict[str, Any]:
+    counters: dict[str, dict[str, int]] = {}
+    for name, label, value in conn.execute(
+        sa.select(bus_counters.c.name, bus_counters.c.label, bus_counters.c.value)
+    ):
+        counters.setdefault(name, {})[label] = int(value)
+    oldest: dict[str, float | None] = dict(
+        conn.execute(
+            sa.select(t.c.agent, sa.func.min(t.c.created_at))
+            .where(t.c.status == TaskStatus.QUEUED, t.c.run_after <= now)
+            .group_by(t.c.agent)
+        ).all()
+    )
+    live: dict[str, int] = dict(
+        conn.execute(
+            sa.select(workers.c.agent, sa.func.count())
+            .where(workers.c.heartbeat_at >= now - stale_sec)
+            .group_by(workers.c.agent)
+        ).all()
+    )
+    usage = conn.execute(
+        sa.select(
+            usage_daily.c.model,
+            sa.func.sum(usage_daily.c.prompt_tokens + usage_daily.c.completion_tokens),
+            sa.func.sum(usage_daily.c.cost),
+        ).group_by(usage_daily.c.model)
+    ).all()
+    failed = conn.execute(
+        sa.select(t.c.id, t.c.agent, t.c.status, t.c.last_error, t.c.updated_at)
+        .where(t.c.status.in_([TaskStatus.FAILED, TaskStatus.ERROR]))
+        .order_by(t.c.updated_at.desc())
+        .limit(RECENT_FAILURES)
+    ).all()
+    return {
+        "counters": counters,
+        "oldest_queued_age": {a: max(0.0, now - (c or now)) for a, c in sorted(oldest.items())},
+        "live_workers": {a: int(n) for a, n in sorted(live.items())},
+        "usage_totals": [
+            {"model": m, "tokens": int(tok or 0), "cost": float(cost or 0.0)}
+            for m, tok, cost in sorted(usage)
+        ],
+        "recent_failures": [
+            {
+                "id": f.id,
+                "agent": f.agent,
+                "status": f.status,
+                "last_error": f.last_error,
+                "at": f.updated_at,
+            }
+            for f in failed
+        ],
+        "last_hour": last_hour(conn, now),
+    }
+
+
+def last_hour(conn: Connection, now: float) -> dict[str, list[int]]:
+    """Tasks done, paused and failed (or errored) in each of the last 60 minutes
+    (oldest first), from the event log's time index."""
+    ends = {"done": ["done"], "paused": ["paused"], "failed": ["failed", "error"]}
+    out = {name: [0] * 60 for name in ends}
+    start = now - HOUR
+    minute = sa.cast((task_events.c.at - start) / 60, sa.Integer)
+    rows = conn.execute(
+        sa.select(task_events.c.to_status, minute, sa.func.count())
+        .where(
+            task_events.c.at > start,
+            task_events.c.to_status.in_([s for group in ends.values() for s in group]),
+        )
+        .group_by(task_events.c.to_status, minute)
+    )
+    for status, at_minute, n in rows:
+        for name, group in ends.items():
+            if status in group:
+                out[name][min(59, max(0, int(at_minute)))] += int(n)
+    return out
+
+
+def unserved(queue: dict[str, dict[str, int]], live: dict[str, int]) -> list[str]:
+    """Agents with queued tasks and no live worker: the first thing to fix."""
+    return sorted(a for a, by in queue.items() if by.get("queued") and not live.get(a))
