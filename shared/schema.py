@@ -398,3 +398,16 @@ bus_counters = sa.Table(
     sa.Column("label", sa.Text, primary_key=True, server_default=""),
     sa.Column("value", sa.BigInteger, nullable=False, server_default="0"),
 )
+
+#: Histograms and counters that processes observe in memory and add here every few
+#: seconds (``agentbus.observations``): a call's latency, a task's run, a sweeper
+#: pass. ``labels`` is the label set as ``k=v,k=v``; ``le`` a bucket's upper bound,
+#: or ``sum`` / ``count``. Rows are only ever added to.
+bus_observations = sa.Table(
+    "bus_observations",
+    metadata,
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("labels", sa.Text, primary_key=True),
+    sa.Column("le", sa.Text, primary_key=True),
+    sa.Column("value", sa.Float, nullable=False, server_default="0"),
+)

@@ -24,9 +24,14 @@ from apscheduler.triggers.interval import IntervalTrigger
 
 from agentbus.db import first_line, is_transient
 from agentbus.logging import get_logger
+from agentbus.observations import Observations
 from agentbus.sweeper import jobs
 
 log = get_logger("agentbus.sweeper")
+
+
+#: Each job's time and failures, added to the database after each pass.
+OBSERVED = Observations()
 
 
 def run_once(sweep: jobs.Sweep) -> dict[str, int]:
@@ -37,13 +42,27 @@ def run_once(sweep: jobs.Sweep) -> dict[str, int]:
     """
     counts: dict[str, int] = {"failed_jobs": 0}
     for job in jobs.ALL:
+        began = time.monotonic()
         try:
             counts.update(job(sweep))
         except Exception as exc:
             counts["failed_jobs"] += 1
+            OBSERVED.count("agentbus_sweep_job_failures", {"job": job.__name__})
             log.error("sweep_job_failed", job=job.__name__, error=describe(exc))
+        finally:
+            OBSERVED.observe(
+                "agentbus_sweep_seconds", {"job": job.__name__}, time.monotonic() - began
+            )
     log.info("sweep_pass", **counts)
+    _flush(sweep)
     return counts
+
+
+def _flush(sweep: jobs.Sweep) -> None:
+    try:
+        OBSERVED.flush(sweep.queue.db)
+    except Exception as exc:  # kept for the next pass
+        log.warning("observations_not_written", error=describe(exc))
 
 
 def describe(exc: BaseException) -> str:
@@ -128,6 +147,7 @@ class SweeperService:
             try:
                 fn()
             except Exception as exc:
+                OBSERVED.count("agentbus_sweep_job_failures", {"job": fn.__name__.strip("_")})
                 log.error("sweep_job_failed", job=fn.__name__, error=describe(exc))
 
         guarded.__name__ = fn.__name__

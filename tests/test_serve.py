@@ -359,3 +359,39 @@ def test_healthz_says_when_the_database_is_away_and_when_it_is_back(
     assert away.status_code == 503 and away.text.startswith("unavailable: "), away.text
     wait_until(lambda: httpx.get(base + "/healthz").status_code == 200, timeout=30)
     assert httpx.head(base + "/healthz").status_code == 200
+
+
+def test_call_task_and_sweep_times_are_histograms_that_survive_the_processes(
+    served: tuple[str, dict[str, Any]], db_url: str, spawn: Callable[..., Proc]
+) -> None:
+    base, _ = served
+    db = Database(db_url)
+    queue = TaskQueue(db)
+    for i in range(2):
+        queue.enqueue(TaskSpec(agent="timer", command=f"t{i}", models=("sim/a",)))
+    db.dispose()
+    worker = spawn("worker", "--agent", "timer", "--db", db_url, "--drain")
+    assert worker.wait() == 0  # it adds what it observed as it exits
+    assert spawn("sweeper", "--db", db_url, "--once").wait() == 0
+    text = httpx.get(base + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    calls = {
+        s.name: s.value
+        for s in families["agentbus_call_seconds"].samples
+        if s.labels.get("agent") == "timer" and s.labels.get("le") in (None, "+Inf")
+    }
+    assert calls["agentbus_call_seconds_count"] == 2
+    assert calls["agentbus_call_seconds_bucket"] == 2 and calls["agentbus_call_seconds_sum"] >= 0
+    runs = [
+        s
+        for s in families["agentbus_task_run_seconds"].samples
+        if s.name.endswith("_count") and s.labels == {"agent": "timer", "outcome": "done"}
+    ]
+    assert [s.value for s in runs] == [2]
+    jobs = {
+        s.labels["job"]
+        for s in families["agentbus_sweep_seconds"].samples
+        if s.name.endswith("_count")
+    }
+    assert {"rescue", "resume", "prune"} <= jobs, jobs
+    assert "agentbus_sweep_job_failures" in families

@@ -19,6 +19,7 @@ that the watchdog gives their tasks back to the queue and ends the process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -33,6 +34,7 @@ from agentbus.config import LiveConfig
 from agentbus.db import Database
 from agentbus.errors import TransitionRejected
 from agentbus.logging import get_logger
+from agentbus.observations import Observations
 from agentbus.providers import Providers
 from agentbus.queue import TaskQueue, wakeups
 from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
@@ -84,7 +86,13 @@ class Worker:
             budget=budget,
             cache_sec=settings.cooldown_cache_sec,
         )
-        self.runner = Runner(admission=self.admission, providers=self.providers, worker_id=self.id)
+        self.observed = Observations()  # call and task times, added to the database by the watchdog
+        self.runner = Runner(
+            admission=self.admission,
+            providers=self.providers,
+            worker_id=self.id,
+            observed=self.observed,
+        )
         self.stopping = threading.Event()
         self._wake = threading.Event()  # a task was queued for us, or stop: look now
         self._listener: wakeups.Listener | None = None
@@ -192,6 +200,8 @@ class Worker:
             except Exception as exc:  # their leases run out: the sweeper re-queues them
                 self.log.error("ack_failed", tasks=len(self._acks), error=repr(exc))
             self.finished.set()
+            with contextlib.suppress(Exception):  # the database away: they are only lost
+                self.observed.flush(self.queue.db)
             self.registry.remove()
             self.providers.close()
             self.log.info("shutdown", processed=processed)

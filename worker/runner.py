@@ -25,6 +25,7 @@ from agentbus.admission.routing import Candidate, Route
 from agentbus.config import Settings
 from agentbus.errors import ConfigError, InvalidTask
 from agentbus.logging import get_logger, when
+from agentbus.observations import Observations
 from agentbus.providers import CallRequest, Provider, Providers, outcomes
 from agentbus.providers.outcomes import Outcome
 from agentbus.queue.decisions import Decision, Fail, Settlement
@@ -32,6 +33,14 @@ from agentbus.queue.tasks import Task
 from agentbus.worker import policy
 
 log = get_logger("agentbus.worker")
+
+#: A run's outcome, as the task-run histogram labels it.
+OUTCOMES = {
+    policy.Complete: "done",
+    policy.Pause: "paused",
+    policy.Requeue: "retry",
+    Fail: "failed",
+}
 
 
 @dataclass
@@ -66,11 +75,13 @@ class Runner:
         providers: Providers,
         worker_id: str,
         clock: Callable[[], float] = time.time,
+        observed: Observations | None = None,
     ) -> None:
         self.admission = admission
         self.providers = providers
         self.worker_id = worker_id
         self.clock = clock
+        self.observed = observed or Observations()
 
     @property
     def settings(self) -> Settings:
@@ -78,7 +89,18 @@ class Runner:
 
     def run(self, task: Task, gone: Callable[[], bool] = lambda: False) -> Run:
         """``gone()`` says the claim was lost (the task was cancelled or rescued): no
-        further candidate is tried, and the worker discards the run."""
+        further candidate is tried, and the worker discards the run. Its time is
+        observed by outcome (an exception: ``error``)."""
+        began, outcome = time.monotonic(), "error"
+        try:
+            run = self._run(task, gone)
+            outcome = OUTCOMES.get(type(run.decision), "other")
+            return run
+        finally:
+            labels = {"agent": task.agent, "outcome": outcome}
+            self.observed.observe("agentbus_task_run_seconds", labels, time.monotonic() - began)
+
+    def _run(self, task: Task, gone: Callable[[], bool]) -> Run:
         if task.problem is not None:
             return Run(Fail(task.problem))
         try:
@@ -127,11 +149,18 @@ class Runner:
                 )
                 continue
             with answer as permit:
+                began = time.monotonic()
                 try:
                     outcome = self._call(task, candidate)
                 except InvalidTask as exc:
                     run.decision = Fail(exc.message)
                     return run
+                labels = {
+                    "agent": task.agent,
+                    "model": candidate.model,
+                    "outcome": outcomes.name_of(outcome).value,
+                }
+                self.observed.observe("agentbus_call_seconds", labels, time.monotonic() - began)
                 cooled = self.admission.finish(permit, outcome)
             run.calls += 1
             run.routes.append(

@@ -2,7 +2,8 @@
 
 While calls run, it renews the lease of every task the worker holds and writes
 the worker's heartbeat (at once when the running tasks change, at most every
-second, and every third of a lease in any case). On shutdown it lets the
+second, and every third of a lease in any case); every few seconds it adds the
+call and task times observed to the database. On shutdown it lets the
 running calls finish within the grace period, then has the worker give their
 tasks back and end.
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 ROUND_SEC = 0.1
 BEAT_CHANGES_SEC = 1.0  # running ids that changed are written at most this often
+FLUSH_SEC = 5.0  # observations (call and task times) are added to the database this often
 
 
 class Watchdog:
@@ -48,6 +50,7 @@ class Watchdog:
         worker = self.worker
         every = worker.options.lease_sec / 3
         next_heartbeat = time.monotonic() + every
+        next_flush = time.monotonic() + FLUSH_SEC
         grace_ends: float | None = None
         while not worker.finished.wait(ROUND_SEC):
             try:
@@ -65,6 +68,9 @@ class Watchdog:
                     worker.beat()
                 elif changed and now - worker.last_beat >= BEAT_CHANGES_SEC:
                     worker.beat()
+                if now >= next_flush:
+                    next_flush = now + FLUSH_SEC
+                    worker.observed.flush(worker.queue.db)
             except Exception as exc:
                 # The database is away (longer than db_retry_sec) or a bug: say so and
                 # try again soon; a lease that ran out meanwhile is renewed if still

@@ -14,6 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from agentbus import observations
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_commands as t
 from agentbus.schema import bus_counters, task_events, usage_daily, workers
@@ -74,6 +75,7 @@ def observe(conn: Connection, now: float, stale_sec: float) -> dict[str, Any]:
             for f in failed
         ],
         "last_hour": last_hour(conn, now),
+        "observations": observations.read(conn),
     }
 
 

@@ -19,9 +19,15 @@ from importlib import resources
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
+from agentbus import observations
 from agentbus.logging import get_logger
 
 log = get_logger("agentbus.serve")
@@ -142,6 +148,39 @@ class SnapshotCollector(Collector):
             ),
             failures,
         )
+        yield from _observed(doc["observations"])
+
+
+HISTOGRAMS = {
+    "agentbus_call_seconds": (
+        "Model call latency (retries in the call included).",
+        "agent model outcome",
+    ),
+    "agentbus_task_run_seconds": ("A task's run in a worker, claim to decision.", "agent outcome"),
+    "agentbus_sweep_seconds": ("A sweeper job's pass.", "job"),
+}
+COUNTED = {"agentbus_sweep_job_failures": ("Sweeper job passes that failed.", "job")}
+
+
+def _observed(seen: dict[str, dict[str, dict[str, float]]]) -> Iterator[Metric]:
+    """The histograms and counters processes added to ``bus_observations``."""
+    for name, (what, names) in HISTOGRAMS.items():
+        family = HistogramMetricFamily(name, what, labels=names.split())
+        for labels, row in sorted(seen.get(name, {}).items()):
+            given = observations.labels_of(labels)
+            cumulative, buckets = 0.0, []
+            for le in observations.LE:
+                cumulative += row.get(le, 0.0)
+                buckets.append((le, cumulative))
+            values = [given.get(n, "") for n in names.split()]
+            family.add_metric(values, buckets, sum_value=row.get("sum", 0.0))
+        yield family
+    for name, (what, names) in COUNTED.items():
+        counter = CounterMetricFamily(name, what, labels=names.split())
+        for labels, row in sorted(seen.get(name, {}).items()):
+            given = observations.labels_of(labels)
+            counter.add_metric([given.get(n, "") for n in names.split()], row.get("count", 0.0))
+        yield counter
 
 
 def _labelled(family: Any, values: dict[str, Any]) -> Any:
