@@ -22,7 +22,7 @@ from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import Code, Refusal
 from agentbus.admission.routing import Route
 from agentbus.db import Database
-from agentbus.queue import TaskQueue, retention
+from agentbus.queue import TaskQueue, reads, retention
 from agentbus.queue.decisions import Complete, Pause, Settlement
 from agentbus.queue.tasks import TaskSpec
 from agentbus.queue.workers import WorkerRegistry
@@ -187,6 +187,8 @@ def test_status_and_metrics_over_http(
     ):
         assert line in text, line
     families = {f.name: f for f in text_string_to_metric_families(text)}
+    kpis = {s.labels["kpi"]: s.value for s in families["agentbus_kpi_last_hour"].samples}
+    assert kpis["preservation"] == 100.0  # the paused task, within the hour
     oldest = families["agentbus_queue_oldest_age_seconds"].samples
     assert {s.labels["agent"] for s in oldest} == {"codex", "orphan"}
     assert all(0 <= s.value < 600 for s in oldest)
@@ -254,7 +256,7 @@ def test_the_dashboard_shows_live_numbers_in_a_browser(
     ).stdout
     assert "updated " in dom  # the script ran and fetched the status document
     assert "<td>codex</td>" in dom and '<td class="n">3</td>' in dom  # queued by agent
-    assert f'<td class="n">{facts["paused"]}</td>' in dom  # the paused task…
+    assert f'<a href="#task-{facts["paused"]}">{facts["paused"]}</a>' in dom  # the paused task…
     assert (
         'class="countdown">1.9 min' in dom or 'class="countdown">2.0 min' in dom
     )  # …and its countdown
@@ -266,7 +268,8 @@ def test_the_dashboard_shows_live_numbers_in_a_browser(
     assert "<td><b>-32001</b></td>" in dom  # the recent refusals
     # What an operator acts on first: the agent nobody serves, the failures and why.
     assert "queued for agent <b>orphan</b>, and no live worker serves it" in dom
-    assert f'<td class="n">{facts["failed"]}</td>' in dom
+    assert f'<a href="#task-{facts["failed"]}">{facts["failed"]}</a>' in dom
+    assert f'<button id="retry-{facts["failed"]}"' not in dom  # read-only: no write offered
     assert "<td>HTTP 400: the prompt is too long</td>" in dom
     assert "<b>3</b>queued" in dom or "<b>4</b>queued" in dom  # the headline
     assert "<polyline" in dom  # the last hour
@@ -395,3 +398,104 @@ def test_call_task_and_sweep_times_are_histograms_that_survive_the_processes(
     }
     assert {"rescue", "resume", "prune"} <= jobs, jobs
     assert "agentbus_sweep_job_failures" in families
+
+
+class WebDriver:
+    """The W3C WebDriver protocol over plain HTTP (Debian's chromedriver)."""
+
+    def __init__(self, url: str, browser: str) -> None:
+        self.http = httpx.Client(base_url=url, timeout=60)
+        args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+        options = {"binary": browser, "args": args}
+        capabilities = {"alwaysMatch": {"goog:chromeOptions": options}}
+        reply = self.http.post("/session", json={"capabilities": capabilities}).json()
+        self.session = f"/session/{reply['value']['sessionId']}"
+
+    def call(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        reply = self.http.post(self.session + path, json=body or {}).json()
+        return reply["value"]
+
+    def find(self, css: str) -> str:
+        found = self.call("/element", {"using": "css selector", "value": css})
+        return str(next(iter(found.values())))
+
+    def text(self, css: str) -> str:
+        element = self.find(css)
+        return str(self.http.get(f"{self.session}/element/{element}/text").json()["value"])
+
+    def close(self) -> None:
+        self.http.delete(self.session)
+        self.http.close()
+
+
+def test_an_operator_retries_a_task_from_the_dashboard_with_the_token_only(
+    db_url: str, spawn: Callable[..., Proc]
+) -> None:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if browser is None or driver is None:
+        if IN_CI:
+            pytest.fail("CI needs Debian's chromium and chromium-driver", pytrace=False)
+        pytest.skip("no chromium-driver here: apt-get install chromium-driver")
+    facts = seed(db_url)
+    token = "an-operator-token-of-some-length"
+    port, driver_port = free_port(), free_port()
+    env = {"AGENTBUS_ADMIN_TOKEN": token}
+    argv = [
+        "--db",
+        db_url,
+        "serve",
+        "--port",
+        str(port),
+        "--admin-token-env",
+        "AGENTBUS_ADMIN_TOKEN",
+    ]
+    spawn("busctl", *argv, env=env)
+    chromedriver = subprocess.Popen(
+        [driver, f"--port={driver_port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _answers(f"http://127.0.0.1:{driver_port}/status"))
+        wait_until(lambda: _answers(base + "/healthz"))
+        web = WebDriver(f"http://127.0.0.1:{driver_port}", browser)
+    except BaseException:
+        chromedriver.kill()
+        raise
+    try:
+        failed = facts["failed"]
+        web.call("/url", {"url": f"{base}/#task-{failed}"})
+        wait_until(lambda: "HTTP 400: the prompt is too long" in web.text("#detail-body"))
+        web.call(f"/element/{web.find(f'#detail-body #retry-{failed}')}/click")  # no token yet
+        wait_until(lambda: "refused (401)" in web.text("#acted"))
+        still = Database(db_url)
+        assert TaskQueue(still).get(failed).status == "failed"
+        still.dispose()
+        web.call(f"/element/{web.find('#token')}/value", {"text": token})
+        web.call(f"/element/{web.find(f'#detail-body #retry-{failed}')}/click")
+        wait_until(lambda: f"retry task {failed}: done" in web.text("#acted"))
+        wait_until(lambda: f"{failed} · writer · queued" in web.text("#detail-id"))
+    finally:
+        web.close()
+        chromedriver.terminate()
+        chromedriver.wait(30)
+    db = Database(db_url)
+    assert TaskQueue(db).get(failed).status == "queued"
+    last = reads.task_events(db, failed)[-1]
+    assert last["reason"] == "retry" and last["worker"].startswith("dashboard:")
+    db.dispose()
+    refused = httpx.post(f"{base}/tasks/{failed}/cancel", headers={"Authorization": "Bearer wrong"})
+    assert refused.status_code == 401
+    assert (
+        httpx.post(
+            f"{base}/tasks/{failed}/frobnicate", headers={"Authorization": f"Bearer {token}"}
+        ).status_code
+        == 404
+    )
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False

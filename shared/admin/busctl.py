@@ -18,6 +18,7 @@ from agentbus.admin import render
 from agentbus.admin.budget_cli import budget_group
 from agentbus.admin.context import Context, pass_ctx
 from agentbus.admin.control import cancel_cmd, cooldowns_group, resume_cmd
+from agentbus.admin.serve_cli import serve_cmd
 from agentbus.config import load_config
 from agentbus.errors import BusError, Problem
 from agentbus.queue.states import TaskStatus
@@ -150,7 +151,7 @@ def status_cmd(c: Context, as_json: bool) -> None:
 
 
 busctl.add_command(budget_group)
-for _command in (cancel_cmd, resume_cmd, cooldowns_group):
+for _command in (cancel_cmd, resume_cmd, cooldowns_group, serve_cmd):
     busctl.add_command(_command)
 
 
@@ -180,108 +181,6 @@ def events_cmd(c: Context, kinds: tuple[str, ...], limit: int, follow: bool) -> 
             return
 
 
-@busctl.command("serve")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True)
-@click.option(
-    "--allow-host",
-    "allow_hosts",
-    multiple=True,
-    metavar="NAME",
-    help="Also answer requests for this Host name (repeatable); others get 403.",
-)
-@click.option(
-    "--max-connections",
-    type=click.IntRange(1, 10_000),
-    default=32,
-    show_default=True,
-    help="Connections served at once; more are closed at once.",
-)
-@click.option(
-    "--timeout",
-    "timeout_sec",
-    type=click.FloatRange(min=0, min_open=True),
-    default=10.0,
-    show_default=True,
-    metavar="SECONDS",
-    help="A connection silent this long is closed.",
-)
-@cli.budget_options
-@pass_ctx
-def serve_cmd(
-    c: Context,
-    host: str,
-    port: int,
-    allow_hosts: tuple[str, ...],
-    max_connections: int,
-    timeout_sec: float,
-    client_budget: int | None,
-    budget_mode: str | None,
-) -> None:
-    """Serve the status document, Prometheus metrics and a dashboard page (read-only).
-
-    Requests must name this server (the bound address, localhost or an
-    --allow-host name): a web page elsewhere cannot read it through DNS
-    rebinding. There is no authentication: bind loopback, or put it behind a
-    proxy that authenticates.
-    """
-    from agentbus.admin import serve, status
-    from agentbus.admission import budget
-    from agentbus.logging import configure
-
-    changes = {"client_budget": client_budget, "budget_mode": budget_mode}
-    settings = c.settings.replace(**{k: v for k, v in changes.items() if v is not None})
-    configure(level=settings.log_level.upper())
-    db = c.database()
-    ignored = budget.disagreement(settings, budget.read_setting(db))
-    if ignored is not None:
-        click.echo(f"busctl: warning: {ignored}", err=True)
-
-    def snapshot(kpis: bool) -> dict[str, Any]:
-        return status.snapshot(db, settings, kpis=kpis)
-
-    def health() -> str | None:
-        """None when the database answers and its schema is at head; else why not."""
-        try:
-            db.require_migrated()
-        except BusError as exc:
-            return exc.message
-        except Exception as exc:  # the database went away: the server keeps serving
-            return f"database unavailable: {type(exc).__name__}"
-        return None
-
-    try:
-        server = serve.make_server(
-            host,
-            port,
-            snapshot,
-            health=health,
-            allowed_hosts=allow_hosts,
-            timeout=timeout_sec,
-            max_connections=max_connections,
-        )
-    except OSError as exc:
-        raise BusError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    bound = server.server_address[1]
-    # Before saying it serves: whoever reads that line may stop it at once.
-    cli.on_stop_signals(lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
-    if not serve.is_loopback(host):
-        click.echo(
-            f"busctl: warning: serving on {host}, beyond this machine, without authentication: "
-            "anyone who can reach it reads the workspace status",
-            err=True,
-        )
-    click.echo(
-        f"busctl: serving http://{host}:{bound}/ (status: /workspace/status, metrics: /metrics,"
-        " health: /healthz)",
-        err=True,
-    )
-    try:
-        server.serve_forever(poll_interval=0.2)
-    finally:
-        server.server_close()
-
-
 @busctl.command("show")
 @click.argument("task_id", type=int)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -305,6 +204,7 @@ def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
         "lease_until",
         "resume_after",
         "first_paused_at",
+        "paused_at",
         "created_at",
         "updated_at",
     }

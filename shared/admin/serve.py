@@ -1,18 +1,24 @@
 """``busctl serve``: the status snapshot over HTTP, Prometheus metrics, and a dashboard.
 
-Read-only: ``GET /workspace/status`` (the ``busctl status --json`` document),
+``GET /workspace/status`` (the ``busctl status --json`` document),
 ``GET /metrics`` (Prometheus text format, read from the database on each
 scrape), ``GET /healthz`` (200 when the database answers and its schema is at
-head, 503 and why otherwise) and ``GET /`` (a self-contained page that polls
-the status document; no build step, no external assets); HEAD on each. Anything
-else is 404 (or 405 for writes).
+head, 503 and why otherwise), ``GET /tasks/ID`` (a task, its events and
+routes) and ``GET /`` (a self-contained page that polls the status document;
+no build step, no external assets); HEAD on each. With an operator token
+(``busctl serve --admin-token-env VAR``) ``POST /tasks/ID/retry|cancel|resume``
+carrying ``Authorization: Bearer <token>`` steers a task (401 without it);
+without a token every write is 405.
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import json
+import math
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
@@ -32,6 +38,9 @@ from agentbus.logging import get_logger
 
 log = get_logger("agentbus.serve")
 Snapshot = Callable[[bool], dict[str, Any]]  # the status document (with the KPIs?)
+KPI_CACHE_SEC = 60.0
+Act = Callable[[str, int], bool]  # (retry, cancel or resume, task id) -> whether it moved
+ACTIONS = ("retry", "cancel", "resume")
 CIRCUIT_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
 
@@ -41,11 +50,30 @@ class SnapshotCollector(Collector):
     from ``bus_counters`` and never go backwards; every label set is bounded
     (status, agent, model, provider, code — no per-process label)."""
 
-    def __init__(self, snapshot: Snapshot) -> None:
+    def __init__(self, snapshot: Snapshot, kpis: Callable[[], list[dict[str, Any]]]) -> None:
         self.snapshot = snapshot
+        self.kpis = kpis
+        self._kpis: list[dict[str, Any]] = []
+        self._kpis_at = -math.inf
+
+    def _last_hour_kpis(self) -> list[dict[str, Any]]:
+        """The KPIs over the last hour, computed at most once a minute."""
+        if time.monotonic() - self._kpis_at >= KPI_CACHE_SEC:
+            self._kpis, self._kpis_at = self.kpis(), time.monotonic()
+        return self._kpis
 
     def collect(self) -> Iterator[Metric]:
         doc = self.snapshot(False)
+        kpi = GaugeMetricFamily(
+            "agentbus_kpi_last_hour",
+            "The KPIs over the last hour (percent; backoff inversion: a count), "
+            "computed at most once a minute; absent when nothing was measured.",
+            labels=["kpi"],
+        )
+        for k in self._last_hour_kpis():
+            if k["value"] is not None:
+                kpi.add_metric([k["name"]], k["value"])
+        yield kpi
         tasks = GaugeMetricFamily(
             "agentbus_tasks", "Tasks by status and agent.", labels=["status", "agent"]
         )
@@ -221,6 +249,10 @@ def make_server(
     snapshot: Snapshot,
     *,
     health: Callable[[], str | None] = lambda: None,
+    task: Callable[[int], dict[str, Any] | None] = lambda _id: None,
+    kpis: Callable[[], list[dict[str, Any]]] = list,
+    act: Act | None = None,
+    token: str | None = None,
     allowed_hosts: Iterable[str] = (),
     timeout: float = 10.0,
     max_connections: int = 32,
@@ -230,8 +262,10 @@ def make_server(
     name to this machine — DNS rebinding — reads nothing)."""
     hosts = {host.lower(), "localhost", "127.0.0.1", "::1", *(h.lower() for h in allowed_hosts)}
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(snapshot))
+    registry.register(SnapshotCollector(snapshot, kpis))
     page = resources.files("agentbus.admin").joinpath("dashboard.html").read_bytes()
+    if token is not None and act is not None:  # the page offers the write actions
+        page = page.replace(b'data-writable="no"', b'data-writable="yes"')
 
     class Handler(BaseHTTPRequestHandler):
         server_version = "agentbus"
@@ -255,6 +289,12 @@ def make_server(
                         self._send(200, "text/plain", b"ok\n")
                     else:
                         self._send(503, "text/plain", f"unavailable: {why}\n".encode())
+                elif path.startswith("/tasks/") and path[7:].isdigit():
+                    found = task(int(path[7:]))
+                    if found is None:
+                        self._send(404, "text/plain", b"no such task\n")
+                    else:
+                        self._send(200, "application/json", json.dumps(found, default=str).encode())
                 elif path == "/workspace/status":
                     body = json.dumps(snapshot(True), default=str).encode()
                     self._send(200, "application/json", body)
@@ -269,9 +309,38 @@ def make_server(
                 self._send(503, "text/plain", f"unavailable: {type(exc).__name__}\n".encode())
 
         def do_POST(self) -> None:
+            self.head = False
+            path = self.path.split("?", 1)[0]
+            parts = path.strip("/").split("/")
+            if token is None or act is None:
+                self._send(405, "text/plain", b"read-only (busctl serve --admin-token-env)\n")
+                return
+            if not _host_allowed(self.headers.get("Host"), hosts):
+                self._send(403, "text/plain", b"host not allowed (busctl serve --allow-host)\n")
+                return
+            given = self.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                self._send(401, "text/plain", b"an operator token is needed\n")
+                return
+            if len(parts) != 3 or parts[0] != "tasks" or not parts[1].isdigit():
+                self._send(404, "text/plain", b"not found\n")
+                return
+            if parts[2] not in ACTIONS:
+                self._send(404, "text/plain", b"no such action\n")
+                return
+            try:
+                moved = act(parts[2], int(parts[1]))
+            except Exception as exc:  # the task in another state, or the database away
+                message = getattr(exc, "message", None) or type(exc).__name__
+                self._send(409, "text/plain", f"{message}\n".encode())
+                return
+            self._send(200, "application/json", json.dumps({"moved": moved}).encode())
+
+        def do_PUT(self) -> None:
+            self.head = False
             self._send(405, "text/plain", b"read-only\n")
 
-        do_PUT = do_DELETE = do_PATCH = do_POST
+        do_DELETE = do_PATCH = do_PUT
 
         def _send(self, code: int, kind: str, body: bytes) -> None:
             self.send_response(code)
