@@ -30,6 +30,9 @@ EXIT_STATUSES = (
 
 def run(command: click.Command, prog: str, args: list[str] | None = None) -> None:
     """Run a click command the agentbus way and exit."""
+    from agentbus.clock import skew_host_clock
+
+    skew_host_clock()  # tests only: a host whose clock is off
     try:
         rv = command.main(args=args, prog_name=prog, standalone_mode=False)
     except click.exceptions.Exit as exc:

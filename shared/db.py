@@ -30,6 +30,7 @@ import sqlalchemy as sa
 import tenacity
 from sqlalchemy.engine import URL, Connection, Engine
 
+from agentbus.clock import clock_for
 from agentbus.errors import BusError, DatabaseUnavailable, NotMigrated
 from agentbus.logging import get_logger
 
@@ -103,6 +104,8 @@ class Database:
     ) -> None:
         self.url = parse_url(url)
         self.dialect = self.url.get_backend_name()
+        #: The fleet's clock (PostgreSQL: the database's; SQLite: this host's).
+        self.clock: Callable[[], float] = clock_for(self)
         self.retry_for = retry_for
         if self.dialect == "sqlite":
             self.engine = _sqlite_engine(

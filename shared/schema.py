@@ -197,6 +197,7 @@ workers = sa.Table(
     sa.Column("current_task", sa.BigInteger),  # the earliest claimed of ``running``
     sa.Column("concurrency", sa.Integer, nullable=False, server_default="1"),
     sa.Column("running", sa.JSON),  # the ids of the tasks it is running
+    sa.Column("clock_offset", sa.Float),  # the database's clock minus this host's, seconds
 )
 
 #: One row per model a worker considered for a task: skipped because it was

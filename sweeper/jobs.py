@@ -8,7 +8,6 @@ running at once harmless. Rescue runs before stale worker rows are pruned.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
@@ -34,11 +33,11 @@ class Sweep:
     """What the jobs share: the database, the live config, the queue and admission."""
 
     def __init__(
-        self, db: Database, config: LiveConfig, *, clock: Callable[[], float] = time.time
+        self, db: Database, config: LiveConfig, *, clock: Callable[[], float] | None = None
     ) -> None:
         self.db = db
         self.config = config  # reloaded when its file changes (``resume`` looks)
-        self.clock = clock
+        self.clock = clock or db.clock
         self.queue = TaskQueue(self.db, clock=self.clock, max_attempts=self.settings.max_attempts)
         # The sweeper reads the tables once at the start of each pass (``fresh``),
         # never from an older cache: a pass over 1,000 due tasks is not 1,000 reads.

@@ -22,6 +22,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
+from agentbus.clock import CLOCK_WARN_SEC, offset_of
 from agentbus.db import first_line, is_transient
 from agentbus.logging import get_logger
 from agentbus.observations import Observations
@@ -101,6 +102,13 @@ class SweeperService:
         )
         self.scheduler.start()
         log.info("sweeper_started", interval=self.interval, peek=self.peek)
+        self.sweep.clock()  # measured now: a host clock far off is said once
+        if abs(offset_of(self.sweep.clock)) > CLOCK_WARN_SEC:
+            log.warning(
+                "clock_off",
+                offset_sec=round(offset_of(self.sweep.clock), 3),
+                effect="this host's clock disagrees with the database's; the database's is used",
+            )
         self.stopped.wait()
         self.scheduler.shutdown(wait=True)
         log.info("sweeper_stopped")
@@ -131,6 +139,8 @@ class SweeperService:
             with contextlib.suppress(JobLookupError):
                 self.scheduler.remove_job("wake")
         else:
+            # ``when`` is by the fleet's clock; the scheduler runs on this host's
+            when -= offset_of(self.sweep.clock)
             run_at = datetime.fromtimestamp(max(when, time.time()), UTC)
             self.scheduler.add_job(
                 self._guard(self._wake),

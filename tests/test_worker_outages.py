@@ -164,11 +164,13 @@ def writing_to_a_full_pipe(pid: int) -> bool:
     return False
 
 
-def read_slowly(pipe: IO[bytes]) -> None:
+def read_slowly(pipe: IO[bytes], done: threading.Event) -> None:
     """A back-pressured reader (a slow journald, a busy terminal). The pause is the
-    reader's pace, what keeps the pipe full; no state here waits on it."""
+    reader's pace, what keeps the pipe full; no state here waits on it. Once
+    ``done`` is set (the worker has exited) it reads the rest at once."""
     while pipe.read(64):
-        time.sleep(0.02)
+        if not done.is_set():
+            time.sleep(0.02)
 
 
 def test_sigterm_always_stops_a_worker_whose_stderr_is_read_slowly(
@@ -194,7 +196,8 @@ def test_sigterm_always_stops_a_worker_whose_stderr_is_read_slowly(
         assert proc.stderr is not None
         stderr = proc.stderr
 
-        reader = threading.Thread(target=read_slowly, args=(stderr,), daemon=True)
+        exited = threading.Event()
+        reader = threading.Thread(target=read_slowly, args=(stderr, exited), daemon=True)
         reader.start()
         wait_until(lambda b=before: reads.counts(db).get(("done", "codex"), 0) > b + 20, timeout=60)
         proc.send_signal(signal.SIGTERM)
@@ -205,7 +208,9 @@ def test_sigterm_always_stops_a_worker_whose_stderr_is_read_slowly(
                 proc.kill()
                 proc.wait()
         assert code == 0
-        reader.join(timeout=10)
+        exited.set()  # the rest of the pipe is read at once: the reader ends at its EOF
+        reader.join(timeout=30)
+        assert not reader.is_alive()
         stderr.close()
         assert reads.counts(db).get(("claimed", "codex"), 0) == 0
     db.dispose()

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from agentbus.admission.admission import Admission
-from agentbus.admission.budget import WorkspaceBudget, client_budget, disagreement
+from agentbus.admission.budget import client_budget
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.config import LiveConfig
 from agentbus.db import Database
@@ -41,6 +41,7 @@ from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requ
 from agentbus.queue.tasks import Task
 from agentbus.queue.workers import WorkerRegistry, new_worker_id
 from agentbus.worker import policy
+from agentbus.worker.announce import announce
 from agentbus.worker.runner import Run, Runner
 from agentbus.worker.watchdog import Watchdog
 
@@ -92,6 +93,7 @@ class Worker:
             providers=self.providers,
             worker_id=self.id,
             observed=self.observed,
+            clock=db.clock,
         )
         self.stopping = threading.Event()
         self._wake = threading.Event()  # a task was queued for us, or stop: look now
@@ -143,20 +145,7 @@ class Worker:
     def run(self) -> int:
         self.registry.register()
         self._watchdog.start()
-        budget = self.budget
-        self.log.info(
-            "worker_started",
-            agent=self.options.agent,
-            pid=os.getpid(),
-            concurrency=self.options.concurrency,
-            client_budget=budget.mode,
-            client_budget_size=budget.budget,
-            client_budget_scope=budget.scope,
-        )
-        if isinstance(budget, WorkspaceBudget):
-            ignored = disagreement(self.config.settings, budget.setting)
-            if ignored is not None:
-                self.log.warning("client_budget_flags_ignored", detail=ignored)
+        announce(self)
         if self._listener is not None:
             self._listener.start()
         processed = 0
@@ -409,10 +398,10 @@ class Worker:
             return
         match d:
             case Pause():
-                resume_in = round(d.resume_after - time.time(), 1)
+                resume_in = round(d.resume_after - self.queue.clock(), 1)
                 self.log.info("task_paused", task_id=task.id, model=d.model, resume_in=resume_in)
             case Requeue():
-                run_in = round(d.run_after - time.time(), 1)
+                run_in = round(d.run_after - self.queue.clock(), 1)
                 self.log.info("task_retry", task_id=task.id, error=d.error, run_in=run_in)
                 self._record(failed=True, why=d.error)
             case Fail():
@@ -485,7 +474,7 @@ class Worker:
             failures = reg.consecutive_failures
             seconds = policy.backoff_sec(failures, self.backoff_steps) if failed else 0.0
             if seconds:
-                reg.backoff_until = time.time() + seconds
+                reg.backoff_until = self.queue.clock() + seconds
                 self._backoff_ends = time.monotonic() + seconds
                 self.log.warning(  # in the lock: the lines come in the order of the count
                     "backoff", seconds=seconds, consecutive_failures=failures, last_error=why

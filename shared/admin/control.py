@@ -11,7 +11,6 @@ from __future__ import annotations
 import getpass
 import json
 import socket
-import time
 from collections.abc import Sequence
 
 import click
@@ -104,7 +103,7 @@ def cooldowns_group(ctx: click.Context, as_json: bool) -> None:
 
     c = ctx.find_object(Context)
     assert c is not None
-    now = time.time()
+    now = c.database().clock()
     rows = CooldownStore(c.database(), cache_sec=1e-9).details()
     if as_json:
         click.echo(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from agentbus import cli
+from agentbus.clock import CLOCK_WARN_SEC
 from agentbus.config import Settings
 from agentbus.queue.states import TaskStatus
 
@@ -57,7 +58,7 @@ def status(doc: dict[str, Any], settings: Settings) -> str:
         out.append("\nworkers:")
         out.append(
             cli.table(
-                ["worker", "agent", "running", "tasks", "heartbeat", "backoff"],
+                ["worker", "agent", "running", "tasks", "heartbeat", "backoff", "clock"],
                 [
                     [
                         w["id"],
@@ -66,12 +67,18 @@ def status(doc: dict[str, Any], settings: Settings) -> str:
                         " ".join(str(i) for i in w["running"]),
                         f"{w['heartbeat_age']:.0f} s ago",
                         f"{w['backoff_left']:.0f} s" if w["backoff_left"] else "",
+                        _clock(w["clock_offset"]),
                     ]
                     for w in doc["workers"]
                 ],
             )
         )
     return "\n".join(out)
+
+
+def _clock(offset: float) -> str:
+    """A worker's host clock against the database's (the database's is the one used)."""
+    return f"host {-offset:+.1f} s off" if abs(offset) > CLOCK_WARN_SEC else "ok"
 
 
 def refusals(by_candidate: dict[str, dict[str, Any]]) -> str:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import sqlalchemy as sa
@@ -29,7 +28,7 @@ def snapshot(
 ) -> dict[str, Any]:
     """The status document. ``kpis`` False leaves out the KPIs (their views read the
     whole history: /metrics does without them)."""
-    now = time.time() if now is None else now
+    now = db.clock() if now is None else now
     budget = client_budget(db, settings, holder="status")
     counts = reads.counts(db)
     queue: dict[str, dict[str, int]] = {}
@@ -129,6 +128,7 @@ def _tables(conn: Connection, now: float) -> dict[str, Any]:
                 "current_task": w.current_task,
                 "concurrency": w.concurrency,
                 "running": list(w.running or []),
+                "clock_offset": w.clock_offset or 0.0,
                 "consecutive_failures": w.consecutive_failures,
                 "backoff_until": w.backoff_until,
                 "backoff_left": max(0.0, w.backoff_until - now) if w.backoff_until else 0.0,

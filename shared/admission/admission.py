@@ -105,7 +105,7 @@ class Admission:
         cooldowns: CooldownStore,
         environ: Mapping[str, str] | None,
         budget: ClientBudget | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         cache_sec: float = 1.0,
     ) -> None:
@@ -119,7 +119,7 @@ class Admission:
             budget if budget is not None and (changeable or budget.mode != "off") else None
         )
         self.environ = environ
-        self.clock = clock
+        self.clock = clock or db.clock
         self.sleep = sleep
         self.cache_sec = cache_sec
         self._read_at: float | None = None

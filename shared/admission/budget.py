@@ -30,7 +30,6 @@ import enum
 import functools
 import math
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -102,13 +101,13 @@ def write_setting(
     mode: str | None,
     size: int | None,
     by: str,
-    clock: Callable[[], float] = time.time,
+    clock: Callable[[], float] | None = None,
 ) -> tuple[BudgetSetting, BudgetSetting]:
     """Change the workspace's mode and/or size; returns (before, after). Raises
     ConfigError (and changes nothing) when the result would be invalid."""
 
     def work(conn: Connection) -> tuple[BudgetSetting, BudgetSetting]:
-        now = clock()
+        now = (clock or db.clock)()
         before = BudgetSetting.of(workspace.read(conn, (MODE, SIZE)))
         after = BudgetSetting(
             before.mode if mode is None else mode, before.size if size is None else size, now, by
@@ -161,10 +160,11 @@ class _Budget:
         mode: str,
         budget: int,
         holder: str,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         check_budget_mode(mode, budget)
-        self.db, self.mode, self.budget, self.holder, self.clock = db, mode, budget, holder, clock
+        self.db, self.mode, self.budget, self.holder = db, mode, budget, holder
+        self.clock = clock or db.clock
         self._passes = threading.local()  # depth, pending: one bulk pass per thread
         self._guard = threading.Lock()  # this process's holds: counted, then written
 
@@ -239,7 +239,7 @@ class WorkspaceBudget(_Budget):
         db: Database,
         *,
         holder: str,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         refresh_sec: float = 1.0,
     ) -> None:
         super().__init__(db, mode="off", budget=0, holder=holder, clock=clock)
@@ -452,7 +452,7 @@ class SessionBudget(_Budget):
         mode: str,
         budget: int,
         holder: str,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         super().__init__(db, mode=mode, budget=budget, holder=holder, clock=clock)
         self.held: Counter[str] = Counter()  # name -> this process's calls holding it
@@ -519,7 +519,7 @@ ClientBudget = WorkspaceBudget | SessionBudget
 
 
 def client_budget(
-    db: Database, settings: Settings, *, holder: str, clock: Callable[[], float] = time.time
+    db: Database, settings: Settings, *, holder: str, clock: Callable[[], float] | None = None
 ) -> ClientBudget:
     """The workspace's budget, or this process's own (``budget_mode``, ``client_budget``)
     under the kill switch ``no_workspace_budget``."""

@@ -33,14 +33,14 @@ class CooldownStore:
         self,
         db: Database,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         timer: Callable[[], float] = time.perf_counter,
         cache_sec: float = 1.0,
         slow_read_ms: float = 100.0,
         slow_cache_sec: float = 10.0,
     ) -> None:
         self.db = db
-        self.clock = clock
+        self.clock = clock or db.clock
         self.timer = timer
         self.normal_ttl = cache_sec
         self.slow_read_ms = slow_read_ms

@@ -4,7 +4,6 @@ tasks, and the message of a guarded write that matched nothing."""
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -35,12 +34,12 @@ class QueueBase:
         self,
         db: Database,
         *,
-        clock: Clock = time.time,
+        clock: Clock | None = None,
         max_attempts: int = 3,
         payload_limits: PayloadLimits = DEFAULT_LIMITS,
     ) -> None:
         self.db = db
-        self.clock = clock
+        self.clock = clock or db.clock  # the fleet's (see agentbus.clock)
         self.max_attempts = max_attempts
         self.payload_limits = payload_limits
         dialect_insert = postgresql.insert if db.dialect == "postgresql" else sqlite.insert

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 import uuid
 from collections.abc import Callable
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from agentbus.clock import offset_of
 from agentbus.db import Database
 from agentbus.schema import workers as w
 
@@ -33,13 +33,13 @@ class WorkerRegistry:
         agent: str,
         *,
         concurrency: int = 1,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.db = db
         self.id = worker_id
         self.agent = agent
         self.concurrency = concurrency
-        self.clock = clock
+        self.clock = clock or db.clock
         self.consecutive_failures = 0
         self.backoff_until: float | None = None
         self.running: dict[int, None] = {}  # task ids in the order they were claimed
@@ -78,6 +78,7 @@ class WorkerRegistry:
             "running": running,
             "consecutive_failures": self.consecutive_failures,
             "backoff_until": self.backoff_until,
+            "clock_offset": offset_of(self.clock),
         }
 
     def remove(self) -> None:
