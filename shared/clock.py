@@ -22,8 +22,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from agentbus.logging import get_logger
+
 if TYPE_CHECKING:
     from agentbus.db import Database
+
+log = get_logger("agentbus.clock")
 
 RESYNC_SEC = 30.0
 JUMP_SEC = 0.5
@@ -59,10 +63,19 @@ class DatabaseClock:
         return wall + self.offset
 
     def measure(self) -> float:
-        """Measure the offset now (one read); returns it."""
+        """Measure the offset now (one read); returns it. With the database away the
+        last offset stays (the host clock's at first) and the next call tries again
+        a second later: reading the time never fails."""
         with self._lock:
             before = self.host()
-            db_now = float(self.db.read(lambda conn: conn.exec_driver_sql(_DB_NOW).scalar_one()))
+            try:  # one try, no retries: a clock read must not wait out an outage
+                with self.db.engine.connect() as conn:
+                    db_now = float(conn.exec_driver_sql(_DB_NOW).scalar_one())
+            except Exception as exc:
+                log.warning("clock_unmeasured", error=f"{type(exc).__name__}: {exc}")
+                self._due = time.monotonic() + 1.0
+                self._anchor = self.host() - time.monotonic()
+                return self.offset
             after = self.host()
             self.offset = db_now - (before + after) / 2
             mono = time.monotonic()
