@@ -21,9 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from agentbus.client import FIRST_LOOK_SEC, AgentBus
+from agentbus.client import FIRST_LOOK_SEC, AgentBus, time_left
 from agentbus.config import Settings
-from agentbus.errors import WaitTimeout
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import Task
 
@@ -83,10 +82,7 @@ class AsyncAgentBus:
                 done.update(await asyncio.to_thread(bus.settled_among, pending))
                 if len(done) == len(set(task_ids)):
                     return [done[i] for i in task_ids]
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    waiting = [i for i in task_ids if i not in done]
-                    raise WaitTimeout(f"tasks still running: {', '.join(map(str, waiting))}")
+                left = time_left(task_ids, done, deadline)
                 with contextlib.suppress(TimeoutError):  # a look anyway
                     await asyncio.wait_for(heard.wait(), look if left is None else min(look, left))
                 look = min(look * 2, bus._look_max())

@@ -61,6 +61,17 @@ ITEM_KEYS = frozenset(
 )
 
 
+def time_left(
+    task_ids: Sequence[int], done: Mapping[int, Task], deadline: float | None
+) -> float | None:
+    """Seconds a wait may go on (None: no deadline); WaitTimeout once they are spent."""
+    left = None if deadline is None else deadline - time.monotonic()
+    if left is not None and left <= 0:
+        waiting = [i for i in task_ids if i not in done]
+        raise WaitTimeout(f"tasks still running: {', '.join(map(str, waiting))}")
+    return left
+
+
 class AgentBus:
     """Enqueue tasks, read and steer them, and wait for their results."""
 
@@ -212,10 +223,7 @@ class AgentBus:
             done.update(self.settled_among([i for i in task_ids if i not in done]))
             if len(done) == len(set(task_ids)):
                 return [done[i] for i in task_ids]
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                waiting = [i for i in task_ids if i not in done]
-                raise WaitTimeout(f"tasks still running: {', '.join(map(str, waiting))}")
+            left = time_left(task_ids, done, deadline)
             pause = look if left is None else min(look, left)
             with self._settled:
                 if self._generation == generation:  # nothing heard since the look

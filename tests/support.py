@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
+
+from agentbus.queue.tasks import TaskSpec
 
 T = TypeVar("T")
 
@@ -89,3 +92,34 @@ class Proc:
     def text(self) -> str:
         with open(self.log_path) as fh:
             return fh.read()
+
+
+def waiting(gates: list[Path]) -> list[Path]:
+    """The gates whose held call is in flight (the simulated provider's ``wait_for``)."""
+    return [g for g in gates if Path(f"{g}.waiting").exists()]
+
+
+def release_two_in_flight(gates: list[Path]) -> None:
+    """Let held calls go one at a time, each only while two are in flight: overlap is
+    shown however slowly the processes run."""
+    pending = list(gates)
+    while pending:
+        wait_until(lambda: len(waiting(pending)) >= min(2, len(pending)), timeout=90)
+        released = waiting(pending)[0]
+        released.touch()
+        pending.remove(released)
+
+
+def enqueue_held(queue: Any, gates: list[Path], *, agent: str = "codex") -> list[int]:
+    """One task per gate whose call on sim/a lasts until that gate's file exists."""
+    return [
+        queue.enqueue(
+            TaskSpec(
+                agent=agent,
+                command=f"held {i}",
+                models=("sim/a",),
+                payload={"simulate": {"sim/a": {"wait_for": str(gate)}}},
+            )
+        ).id
+        for i, gate in enumerate(gates)
+    ]

@@ -19,7 +19,7 @@ from agentbus.db import Database
 from agentbus.queue import TaskQueue, reads
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import bus_commands, call_slots, circuits, route_log, task_events
-from tests.support import Proc, wait_until
+from tests.support import Proc, release_two_in_flight, wait_until
 
 pytestmark = pytest.mark.process
 Spawn = Callable[..., Proc]
@@ -187,16 +187,7 @@ def test_concurrency_two_across_four_workers(
         for gate in gates
     ]
     procs = [*workers(spawn, db_url, env, 4), spawn("sweeper", "--db", db_url, env=env)]
-    pending = list(gates)
-
-    def waiting() -> list[Path]:
-        return [g for g in pending if Path(f"{g}.waiting").exists()]
-
-    while pending:
-        wait_until(lambda: len(waiting()) >= min(2, len(pending)), timeout=90)
-        released = waiting()[0]
-        released.touch()
-        pending.remove(released)
+    release_two_in_flight(gates)
     wait_until(lambda: set(statuses(queue.db, ids).values()) == {"done"}, timeout=90)
     stop(procs)
     spans = [(c["started"], c["time"]) for c in journal(calls)]

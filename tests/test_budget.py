@@ -34,7 +34,7 @@ from agentbus.queue import TaskQueue
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import bus_events
 from tests import procs
-from tests.support import FakeClock, Proc, clean_env, free_port, wait_until
+from tests.support import FakeClock, Proc, clean_env, enqueue_held, free_port, wait_until
 
 
 def events(db: Database, kind: str) -> list[dict[str, Any]]:
@@ -319,17 +319,7 @@ def test_running_workers_and_serve_follow_busctl_budget_set(
     # Each worker holds one call (a gate file per task), so each admits once after the set.
     gates = [tmp_path / f"gate-{i}" for i in range(2)]
     queue = TaskQueue(db)
-    ids = [
-        queue.enqueue(
-            TaskSpec(
-                agent="codex",
-                command=f"held {i}",
-                models=("sim/a",),
-                payload={"simulate": {"sim/a": {"wait_for": str(gate)}}},
-            )
-        ).id
-        for i, gate in enumerate(gates)
-    ]
+    ids = enqueue_held(queue, gates)
     for gate in gates:
         wait_until(lambda gate=gate: Path(f"{gate}.waiting").exists())
     for proc in workers:

@@ -18,7 +18,7 @@ from agentbus.db import Database
 from agentbus.queue import TaskQueue, reads
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import task_events, workers
-from tests.support import Proc, wait_until
+from tests.support import Proc, enqueue_held, wait_until
 
 pytestmark = pytest.mark.process
 
@@ -52,17 +52,7 @@ def test_hosts_whose_clocks_are_off_never_run_a_task_twice_nor_resume_it_early(
     db = Database(db_url)
     queue = TaskQueue(db)
     gates = [tmp_path / f"gate{i}" for i in range(4)]
-    held = [
-        queue.enqueue(
-            TaskSpec(
-                agent="codex",
-                command=f"held {i}",
-                models=("sim/a",),
-                payload={"simulate": {"sim/a": {"wait_for": str(gate)}}},
-            )
-        ).id
-        for i, gate in enumerate(gates)
-    ]
+    held = enqueue_held(queue, gates)
     ok = tmp_path / "rate-limit-over"  # the provider answers 429 until it exists
     cooled = queue.enqueue(
         TaskSpec(
@@ -82,33 +72,16 @@ def test_hosts_whose_clocks_are_off_never_run_a_task_twice_nor_resume_it_early(
         "AGENTBUS_POLL_SEC": "0.1",
         "AGENTBUS_CALL_RETRIES": "0",
     }
+
+    def process(program: str, skew: str, *args: str) -> Proc:
+        argv = [*args, "--db", db_url, "--log-json"]
+        return spawn(program, *argv, env={**env, SKEW_ENV: skew})
+
     procs = [
-        spawn(
-            "worker",
-            "--agent",
-            "codex",
-            "--db",
-            db_url,
-            "--concurrency",
-            "2",
-            "--log-json",
-            env={**env, SKEW_ENV: "-90"},
-        ),
-        spawn(
-            "worker",
-            "--agent",
-            "codex",
-            "--db",
-            db_url,
-            "--concurrency",
-            "2",
-            "--log-json",
-            env={**env, SKEW_ENV: "600"},
-        ),
-        spawn(
-            "worker", "--agent", "ron", "--db", db_url, "--log-json", env={**env, SKEW_ENV: "-600"}
-        ),
-        spawn("sweeper", "--db", db_url, "--log-json", env={**env, SKEW_ENV: "90"}),
+        process("worker", "-90", "--agent", "codex", "--concurrency", "2"),
+        process("worker", "600", "--agent", "codex", "--concurrency", "2"),
+        process("worker", "-600", "--agent", "ron"),
+        process("sweeper", "90"),
     ]
     wait_until(lambda: all(Path(f"{g}.waiting").exists() for g in gates), timeout=60)
     # Held calls while the sweeper, 90 s ahead by its host, runs pass after pass.

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from agentbus.queue import TaskQueue, reads
 from agentbus.schema import workers as workers_table
-from tests.support import Proc, wait_until
+from tests.support import Proc, release_two_in_flight, wait_until, waiting
 from tests.test_admission_process import (
     CONCURRENCY,
     RPM,
@@ -39,10 +39,6 @@ __all__ = ["live_queue"]  # the fixture, shared
 def held(gate: Path, **more: Any) -> dict[str, Any]:
     """A script whose call on sim/a lasts until ``gate`` exists."""
     return {"sim/a": {"behaviour": "ok", "wait_for": str(gate), **more}}
-
-
-def waiting(gates: list[Path]) -> list[Path]:
-    return [g for g in gates if Path(f"{g}.waiting").exists()]
 
 
 def worker_row(queue: TaskQueue) -> Any:
@@ -168,12 +164,7 @@ def test_concurrency_limit_holds_across_a_concurrent_worker_and_single_slot_work
         *workers(spawn, db_url, env, 2),
         spawn("sweeper", "--db", db_url, env=env),
     ]
-    pending = list(gates)
-    while pending:  # let one call go only while two are in flight
-        wait_until(lambda: len(waiting(pending)) >= min(2, len(pending)), timeout=90)
-        released = waiting(pending)[0]
-        released.touch()
-        pending.remove(released)
+    release_two_in_flight(gates)
     wait_until(lambda: set(statuses(queue.db, ids).values()) == {"done"}, timeout=90)
     stop(procs)
     spans = [(c["started"], c["time"]) for c in journal(calls)]
