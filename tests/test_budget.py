@@ -17,12 +17,9 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from agentbus.admission.budget import (
+from agentbus.admission.budget import Reserve, SessionBudget, WorkspaceBudget, client_budget
+from agentbus.admission.budget_setting import (
     BudgetSetting,
-    Reserve,
-    SessionBudget,
-    WorkspaceBudget,
-    client_budget,
     disagreement,
     read_setting,
     write_setting,

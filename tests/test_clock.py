@@ -21,6 +21,8 @@ from agentbus.schema import task_events, workers
 from tests.support import Proc, enqueue_held, wait_until
 
 pytestmark = pytest.mark.process
+# SQLite serves one host, whose processes share its clock: these are PostgreSQL's.
+POSTGRES_ONLY = pytest.mark.parametrize("backend", ["postgresql"])
 
 
 def test_the_fleet_clock_is_the_databases_on_postgresql_and_the_hosts_on_sqlite(
@@ -44,11 +46,10 @@ def journal(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@POSTGRES_ONLY
 def test_hosts_whose_clocks_are_off_never_run_a_task_twice_nor_resume_it_early(
     db_url: str, spawn: Callable[..., Proc], tmp_path: Path
 ) -> None:
-    if db_url.startswith("sqlite"):
-        pytest.skip("SQLite serves one host: its processes share that host's clock")
     db = Database(db_url)
     queue = TaskQueue(db)
     gates = [tmp_path / f"gate{i}" for i in range(4)]
@@ -122,11 +123,10 @@ rpm = 5
 """
 
 
+@POSTGRES_ONLY
 def test_rate_windows_stay_exact_across_hosts_whose_clocks_disagree(
     db_url: str, spawn: Callable[..., Proc], tmp_path: Path
 ) -> None:
-    if db_url.startswith("sqlite"):
-        pytest.skip("SQLite serves one host: its processes share that host's clock")
     config = tmp_path / "agentbus.toml"
     config.write_text(RPM)
     calls = tmp_path / "journal.jsonl"
@@ -152,9 +152,8 @@ def test_rate_windows_stay_exact_across_hosts_whose_clocks_disagree(
     db.dispose()
 
 
+@POSTGRES_ONLY
 def test_reading_the_clock_never_fails_while_the_database_is_away(db: Database) -> None:
-    if db.dialect == "sqlite":
-        pytest.skip("the host clock on SQLite: nothing to measure")
     gone = Database("postgresql+psycopg://nobody@127.0.0.1:1/none")
     clock = DatabaseClock(gone, host=lambda: time.time() + 90)
     assert abs(clock() - (time.time() + 90)) < 1.0  # the host's, until it can measure

@@ -8,7 +8,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -157,20 +156,19 @@ def writing_to_a_full_pipe(pid: int) -> bool:
     """Whether a thread of ``pid`` is blocked writing into a full pipe (Linux /proc)."""
     for wchan in Path(f"/proc/{pid}/task").glob("*/wchan"):
         try:
-            if wchan.read_text() == "pipe_write":
+            if wchan.read_text().endswith("pipe_write"):  # pipe_write, anon_pipe_write
                 return True
         except OSError:  # the thread ended meanwhile
             continue
     return False
 
 
-def read_slowly(pipe: IO[bytes], done: threading.Event) -> None:
-    """A back-pressured reader (a slow journald, a busy terminal). The pause is the
-    reader's pace, what keeps the pipe full; no state here waits on it. Once
-    ``done`` is set (the worker has exited) it reads the rest at once."""
-    while pipe.read(64):
-        if not done.is_set():
-            time.sleep(0.02)
+def read_once_released(pipe: IO[bytes], released: threading.Event) -> None:
+    """A reader that is stuck (a hung journald, a paused terminal) until ``released``:
+    the pipe fills and the worker's log writes block; then it reads everything."""
+    released.wait()
+    while pipe.read(65536):
+        pass
 
 
 def test_sigterm_always_stops_a_worker_whose_stderr_is_read_slowly(
@@ -196,11 +194,14 @@ def test_sigterm_always_stops_a_worker_whose_stderr_is_read_slowly(
         assert proc.stderr is not None
         stderr = proc.stderr
 
-        exited = threading.Event()
-        reader = threading.Thread(target=read_slowly, args=(stderr, exited), daemon=True)
+        released = threading.Event()
+        reader = threading.Thread(target=read_once_released, args=(stderr, released), daemon=True)
         reader.start()
-        wait_until(lambda b=before: reads.counts(db).get(("done", "codex"), 0) > b + 20, timeout=60)
+        # Held: the worker blocks writing a log line into the full pipe, mid-work.
+        wait_until(lambda p=proc.pid: writing_to_a_full_pipe(p), timeout=60)
+        assert reads.counts(db).get(("done", "codex"), 0) > before  # it was working
         proc.send_signal(signal.SIGTERM)
+        released.set()  # the reader comes back: the write completes, the signal is seen
         try:
             code = proc.wait(timeout=60)
         finally:
@@ -208,7 +209,6 @@ def test_sigterm_always_stops_a_worker_whose_stderr_is_read_slowly(
                 proc.kill()
                 proc.wait()
         assert code == 0
-        exited.set()  # the rest of the pipe is read at once: the reader ends at its EOF
         reader.join(timeout=30)
         assert not reader.is_alive()
         stderr.close()

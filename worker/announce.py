@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from agentbus.admission.budget import WorkspaceBudget, disagreement
+from agentbus.admission.budget import WorkspaceBudget
+from agentbus.admission.budget_setting import disagreement
 from agentbus.clock import CLOCK_WARN_SEC, offset_of
 
 if TYPE_CHECKING:

@@ -44,7 +44,7 @@ def budget_set_cmd(c: Context, mode: str | None, size: int | None) -> None:
     """Change the workspace's client budget; running processes apply it within a second."""
     import socket
 
-    from agentbus.admission.budget import write_setting
+    from agentbus.admission.budget_setting import write_setting
     from agentbus.logging import configure
 
     if mode is None and size is None:

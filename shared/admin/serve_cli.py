@@ -69,7 +69,7 @@ def serve_cmd(
     token of --admin-token-env.
     """
     from agentbus.admin import kpi, serve, status
-    from agentbus.admission import budget
+    from agentbus.admission import budget_setting as budget
     from agentbus.logging import configure
 
     changes = {"client_budget": client_budget, "budget_mode": budget_mode}
