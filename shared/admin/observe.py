@@ -82,7 +82,8 @@ def observe(conn: Connection, now: float, stale_sec: float) -> dict[str, Any]:
 def last_hour(conn: Connection, now: float) -> dict[str, list[int]]:
     """Tasks done, paused and failed (or errored) in each of the last 60 minutes
     (oldest first), from the event log's time index."""
-    ends = {"done": ["done"], "paused": ["paused"], "failed": ["failed", "error"]}
+    s = TaskStatus
+    ends = {"done": [s.DONE], "paused": [s.PAUSED], "failed": [s.FAILED, s.ERROR]}
     out = {name: [0] * 60 for name in ends}
     start = now - HOUR
     minute = sa.cast((task_events.c.at - start) / 60, sa.Integer)

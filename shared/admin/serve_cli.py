@@ -95,12 +95,14 @@ def serve_cmd(
         return {"task": found.as_dict(), "events": reads.task_events(db, task_id), "routes": routes}
 
     def act(action: str, task_id: int) -> bool:
+        """Retry, cancel or resume one task (serve.ACTIONS); whether it moved."""
         queue, by = c.queue(), f"dashboard:{control.operator().split(':', 1)[1]}"
         if action == "retry":
-            queue.retry(task_id, by=by)
+            queue.retry(task_id, by=by)  # raises when the task is not retryable
             return True
-        moved = getattr(queue, action)([task_id], by=by)
-        return bool(moved)
+        if action == "cancel":
+            return bool(queue.cancel([task_id], by=by))
+        return bool(queue.resume([task_id], by=by))
 
     token = _admin_token(admin_token_env)
 

@@ -37,8 +37,9 @@ def snapshot(
     totals: dict[str, int] = {}
     for (status, _), n in counts.items():
         totals[status] = totals.get(status, 0) + n
-    doc = db.read(lambda conn: _tables(conn, now))
-    seen = db.read(lambda conn: observe.observe(conn, now, settings.worker_stale_sec))
+    doc, seen = db.read(
+        lambda conn: (_tables(conn, now), observe.observe(conn, now, settings.worker_stale_sec))
+    )
     cooling = CooldownStore(db, clock=lambda: now, cache_sec=1e-9).details()
     return {
         "now": now,
