@@ -88,6 +88,8 @@ bus_commands = sa.Table(
     sa.Column("created_at", Epoch),
     sa.Column("updated_at", Epoch),
     sa.Column("paused_at", Epoch),
+    # A completed task's answer besides its text: model, finish_reason, tool_calls, usage.
+    sa.Column("result_detail", LenientJSON),
     sa.CheckConstraint(STATUS_CHECK, name="ck_bus_commands_status"),
     sa.UniqueConstraint("idempotency_key", name="uq_bus_commands_idempotency_key"),
     sqlite_autoincrement=True,

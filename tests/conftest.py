@@ -29,6 +29,7 @@ PG_URL = os.environ.get(
 )
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 BACKENDS = ["sqlite", "postgresql"]
+pytest_plugins = ["tests.mock_llm"]  # the mock_llm fixture: a local model endpoint
 
 
 def _pg_conninfo(dbname: str | None = None) -> str:

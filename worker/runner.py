@@ -26,7 +26,7 @@ from agentbus.config import Settings
 from agentbus.errors import ConfigError, InvalidTask
 from agentbus.logging import get_logger, when
 from agentbus.observations import Observations
-from agentbus.providers import CallRequest, Provider, Providers, outcomes
+from agentbus.providers import CallRequest, Provider, Providers, chat, outcomes
 from agentbus.providers.outcomes import Outcome
 from agentbus.queue.decisions import Decision, Fail, Settlement
 from agentbus.queue.tasks import Task
@@ -174,10 +174,21 @@ class Runner:
                     cooldown_until=cooled.until if cooled is not None else None,
                 )
             )
+            if cooled is not None and isinstance(outcome, outcomes.Succeeded):
+                # Answered, and its headers said the account has nothing left until then.
+                run.cooled[cooled.key] = cooled.until
+                log.info(
+                    "model_cooldown_set",
+                    task_id=task.id,
+                    model=cooled.key,
+                    until=when(cooled.until),
+                    detail="the answer's rate-limit headers say nothing is left",
+                )
             match outcome:
                 case outcomes.Succeeded(text=text, usage=usage):
                     log.debug("call_ok", task_id=task.id, candidate=candidate.key)
-                    run.decision = policy.Complete(text, candidate.model, usage)
+                    detail = outcome.detail(candidate.model)
+                    run.decision = policy.Complete(text, candidate.model, usage, detail)
                     return run
                 case outcomes.RateLimited() | outcomes.TimedOut():
                     assert cooled is not None
@@ -256,16 +267,17 @@ class Runner:
         )
 
     def _call(self, task: Task, candidate: Candidate) -> Outcome:
-        provider, upstream = self.providers.for_model(candidate.model)
+        provider, model = self.providers.for_model(candidate.model)
         request = CallRequest(
             task_id=task.id,
             model=candidate.model,
-            upstream=upstream,
+            upstream=model.upstream,
             prompt=task.command or "",
             worker=self.worker_id,
             timeout_sec=self.settings.call_timeout_sec,
             created_at=task.created_at,
             payload=task.payload,
+            params=chat.params_for(model.params, task.payload),
             account=candidate.account,
         )
         outcome = provider.call(request)

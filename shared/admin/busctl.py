@@ -213,6 +213,9 @@ def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
         if isinstance(shown, (dict, list)):
             shown = json.dumps(shown)
         click.echo(f"{name:>16}: {'-' if shown is None else shown}")
+    if task.result_detail:
+        click.echo("")
+        click.echo(render.answer(task.result_detail))
     click.echo("")
     rows = [
         [

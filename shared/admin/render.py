@@ -81,6 +81,26 @@ def _clock(offset: float) -> str:
     return f"host {-offset:+.1f} s off" if abs(offset) > CLOCK_WARN_SEC else "ok"
 
 
+def answer(detail: dict[str, Any]) -> str:
+    """A completed task's answer besides its text: model, finish reason, tool calls, usage."""
+    import json
+
+    lines = [f"answered by: {detail.get('model', '-')}"]
+    if detail.get("finish_reason") is not None:
+        lines.append(f"finish reason: {detail['finish_reason']}")
+    for call in detail.get("tool_calls") or ():
+        arguments = call.get("arguments")
+        shown = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        lines.append(f"tool call: {call.get('name')} {shown}")
+    usage = detail.get("usage") or {}
+    if usage:
+        lines.append(
+            f"usage: {usage.get('prompt_tokens', 0)} prompt + "
+            f"{usage.get('completion_tokens', 0)} completion tokens"
+        )
+    return "\n".join(lines)
+
+
 def refusals(by_candidate: dict[str, dict[str, Any]]) -> str:
     """Refusals (``{code, name, retry_after_ms, suggested_action, gate, detail}``) by candidate."""
     return cli.table(

@@ -5,8 +5,9 @@ budget (``budget``), circuits (``circuit``), concurrency slots, bulkheads,
 rate windows and daily budgets (``limits``). A worker asks ``admit`` right
 before a call and reports the outcome to ``finish``, which releases the
 slots, counts the outcome in the provider's circuit, cools the model down on
-a rate-limited, overloaded or timed-out answer, and leaves a refused
-credential out. It is the only writer of call_slots and account_state.
+a rate-limited, overloaded or timed-out answer (or a success whose rate-limit
+headers say the account has nothing left), and leaves a refused credential out.
+It is the only writer of call_slots and account_state.
 
 Cheap refusals come from per-process caches refreshed every ``cache_sec``
 (cooldowns, open circuits). A candidate with no limit configured is admitted
@@ -41,7 +42,9 @@ from agentbus.admission.gates import (
     circuit_admits,
     circuit_failure,
     cooldown_key,
+    cooldown_reason,
     cooldown_until,
+    cools,
     cost,
     refuse,
 )
@@ -51,8 +54,7 @@ from agentbus.catalog import Catalog
 from agentbus.config import Config, LiveConfig, Settings
 from agentbus.db import Database, prepared
 from agentbus.logging import get_logger
-from agentbus.providers import outcomes
-from agentbus.providers.outcomes import AuthFailed, Outcome, RateLimited, TimedOut, Usage
+from agentbus.providers.outcomes import AuthFailed, Outcome, RateLimited, Succeeded, TimedOut, Usage
 from agentbus.schema import account_state, call_slots
 
 log = get_logger("agentbus.admission")
@@ -335,22 +337,23 @@ class Admission:
             self.budget.release(permit.budget_slot)
         self._release(permit, outcome)
         match outcome:
-            case RateLimited() | TimedOut():
+            case RateLimited() | TimedOut() | Succeeded() if cools(outcome):
                 return self._cool(permit.candidate, outcome)
             case AuthFailed(detail=detail):
                 self.mark_unusable(permit.candidate, detail)
         return None
 
-    def _cool(self, c: Candidate, outcome: RateLimited | TimedOut) -> Cooled:
+    def _cool(self, c: Candidate, outcome: RateLimited | TimedOut | Succeeded) -> Cooled:
         """Cool the candidate's model down for every process (an account's quota: only
-        ``model@account``); a cooldown is never shortened."""
+        ``model@account``); a cooldown is never shortened. A success cools only when
+        its headers said the account has nothing left (until they said it resets)."""
         accounts = len(self.catalog.provider(c.provider).accounts)
         key = cooldown_key(outcome, c.model, c.key, accounts)
         s = self.settings
         until = cooldown_until(
             outcome, self.clock(), s.model_cooldown_sec, s.model_timeout_cooldown_sec
         )
-        reason = outcomes.name_of(outcome).value  # rate_limited, overloaded or timeout
+        reason = cooldown_reason(outcome)  # rate_limited, overloaded, timeout, limit_reached
         effective = self.cooldowns.set(key, until, reason=reason, source=self.worker)
         return Cooled(key, effective)
 

@@ -10,7 +10,15 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentbus.providers.outcomes import Failed, Outcome, RateLimited, Succeeded, TimedOut, Usage
+from agentbus.providers.outcomes import (
+    Failed,
+    Outcome,
+    RateLimited,
+    Succeeded,
+    TimedOut,
+    Usage,
+    name_of,
+)
 
 
 class Code(enum.StrEnum):
@@ -119,23 +127,57 @@ def day_of(at: float) -> float:
 # -- what an answer teaches ---------------------------------------------------
 
 
+#: A cooldown's reason when the answer's rate-limit headers said nothing is left.
+LIMIT_REACHED = "limit_reached"
+
+
+def cools(outcome: Outcome) -> bool:
+    """Whether an outcome puts a model in cooldown: a rate-limited, overloaded or
+    timed-out answer, or a success whose headers say the account has nothing left."""
+    match outcome:
+        case RateLimited() | TimedOut():
+            return True
+        case Succeeded(limit_reset_sec=reset):
+            return bool(reset)
+    return False
+
+
 def cooldown_until(
-    outcome: RateLimited | TimedOut, now: float, cooldown_sec: float, timeout_cooldown_sec: float
+    outcome: RateLimited | TimedOut | Succeeded,
+    now: float,
+    cooldown_sec: float,
+    timeout_cooldown_sec: float,
 ) -> float:
-    """When a model's cooldown ends: the configured length, or the provider's longer ask."""
-    if isinstance(outcome, TimedOut):
-        return now + timeout_cooldown_sec
-    return now + max(cooldown_sec, outcome.retry_after_sec or 0.0)
+    """When a model's cooldown ends: the configured length, or the provider's longer
+    ask; for a used-up quota, exactly when the headers say it resets."""
+    match outcome:
+        case TimedOut():
+            return now + timeout_cooldown_sec
+        case Succeeded(limit_reset_sec=reset):
+            return now + (reset or 0.0)
+        case _:
+            return now + max(cooldown_sec, outcome.retry_after_sec or 0.0)
 
 
 def cooldown_key(
-    outcome: RateLimited | TimedOut, model: str, candidate_key: str, accounts: int
+    outcome: RateLimited | TimedOut | Succeeded, model: str, candidate_key: str, accounts: int
 ) -> str:
-    """What a cooling answer cools: a 429 through one of several accounts is that
-    account's quota (``model@account``); overload and timeouts are the model's."""
-    if isinstance(outcome, RateLimited) and not outcome.overloaded and accounts > 1:
+    """What a cooling answer cools: a 429 (or a used-up quota) through one of several
+    accounts is that account's quota (``model@account``); overload and timeouts are
+    the model's."""
+    quota = isinstance(outcome, Succeeded) or (
+        isinstance(outcome, RateLimited) and not outcome.overloaded
+    )
+    if quota and accounts > 1:
         return candidate_key
     return model
+
+
+def cooldown_reason(outcome: RateLimited | TimedOut | Succeeded) -> str:
+    """A cooldown's reason: the outcome's name, or ``limit_reached`` (headers)."""
+    if isinstance(outcome, Succeeded):
+        return LIMIT_REACHED
+    return name_of(outcome).value
 
 
 def cost(usage: Usage, input_per_1k: float, output_per_1k: float) -> float:

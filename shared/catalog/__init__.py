@@ -5,7 +5,14 @@ tables, one ``ConfigError`` line per problem. ``parse`` imports ``model``, never
 the other way round.
 """
 
-from agentbus.catalog.model import NAME_RE, AccountConfig, CandidateSpec, Catalog, ProviderConfig
+from agentbus.catalog.model import (
+    NAME_RE,
+    AccountConfig,
+    CandidateSpec,
+    Catalog,
+    ModelConfig,
+    ProviderConfig,
+)
 from agentbus.catalog.parse import SECTIONS, parse_catalog
 
 __all__ = [
@@ -14,6 +21,7 @@ __all__ = [
     "AccountConfig",
     "CandidateSpec",
     "Catalog",
+    "ModelConfig",
     "ProviderConfig",
     "parse_catalog",
 ]

@@ -3,7 +3,7 @@
 Read from the tables of the config file (``agentbus.example.toml`` documents
 every key)::
 
-    [providers.openai-main]          # kind = "openai" | "command" | "simulated"
+    [providers.openai-main]          # kind = "openai" | "anthropic" | "command" | "simulated"
     kind = "openai"
     base_url = "https://api.openai.com/v1"
     concurrency = 20                 # calls in flight, shared by its accounts
@@ -14,6 +14,7 @@ every key)::
     [models."gpt-4o"]
     provider = "openai-main"
     bulkhead = "heavy"
+    params = { temperature = 0.2 }   # sent with every call; a task's params win
 
     [bulkheads]
     heavy = 10
@@ -39,6 +40,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from agentbus.errors import ConfigError
 
@@ -46,7 +48,11 @@ from agentbus.errors import ConfigError
 NAME_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}\Z")
 SIMULATED_PREFIX = "sim/"
 SIM_PROVIDER = "sim"
-PROVIDER_KINDS = ("openai", "command", "simulated")
+PROVIDER_KINDS = ("openai", "anthropic", "command", "simulated")
+#: The kinds that speak HTTP to an endpoint with a key.
+HTTP_KINDS = ("openai", "anthropic")
+#: Where an Anthropic provider without ``base_url`` sends its calls.
+ANTHROPIC_URL = "https://api.anthropic.com"
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class ProviderConfig:
     concurrency: int | None = None
     circuit: bool = True
     env: tuple[str, ...] = ()  # variables a command provider's program also gets
+    anthropic_version: str = "2023-06-01"  # the anthropic-version header (kind anthropic)
 
     @property
     def endpoint(self) -> str:
@@ -91,6 +98,7 @@ class ModelConfig:
     bulkhead: str | None = None
     input_cost_per_1k: float = 0.0
     output_cost_per_1k: float = 0.0
+    params: Mapping[str, Any] = field(default_factory=dict)  # defaults a task's params override
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from agentbus.catalog.model import (
+    ANTHROPIC_URL,
+    HTTP_KINDS,
     NAME_RE,
     PROVIDER_KINDS,
     SIM_PROVIDER,
@@ -20,6 +22,7 @@ from agentbus.catalog.model import (
     RoleConfig,
 )
 from agentbus.errors import ConfigError
+from agentbus.providers import chat
 from agentbus.providers.outcomes import FAILURE_NAMES as OUTCOME_NAMES
 
 #: Tables of the config file that are the catalog, not settings.
@@ -27,6 +30,7 @@ SECTIONS = ("providers", "models", "roles", "agents", "bulkheads", "routing")
 _LIMITS = {"accounts", "concurrency", "rpm", "circuit", "timeout_sec"}
 _KEYS = {
     "openai": _LIMITS | {"kind", "base_url", "api_key_env"},
+    "anthropic": _LIMITS | {"kind", "base_url", "api_key_env", "anthropic_version"},
     "command": _LIMITS | {"kind", "argv", "exit_codes", "stderr_patterns", "env"},
     "simulated": _LIMITS | {"kind"},
 }
@@ -45,7 +49,9 @@ def parse_catalog(doc: Mapping[str, Any]) -> Catalog:
     for model_id, body in _section(doc, "models"):
         where = f"[models.{model_id!r}]"
         _only(
-            body, where, {"provider", "name", "bulkhead", "input_cost_per_1k", "output_cost_per_1k"}
+            body,
+            where,
+            {"provider", "name", "bulkhead", "input_cost_per_1k", "output_cost_per_1k", "params"},
         )
         provider = body.get("provider")
         if provider not in providers:
@@ -60,6 +66,7 @@ def parse_catalog(doc: Mapping[str, Any]) -> Catalog:
             bulkhead,
             _price(body, "input_cost_per_1k", where),
             _price(body, "output_cost_per_1k", where),
+            _params(body, where),
         )
     catalog = Catalog(providers, models, bulkheads=bulkheads)
     roles = {name: _role(catalog, name, body) for name, body in _section(doc, "roles")}
@@ -167,7 +174,7 @@ def _provider(name: str, body: Mapping[str, Any]) -> ProviderConfig:
     circuit = body.get("circuit", True)
     if not isinstance(circuit, bool):
         raise ConfigError(f"{where}: circuit must be true or false")
-    accounts = _accounts(body, where, rpm, needs_key=kind == "openai")
+    accounts = _accounts(body, where, rpm, needs_key=kind in HTTP_KINDS)
     common: dict[str, Any] = {
         "timeout_sec": timeout,
         "accounts": accounts,
@@ -181,6 +188,14 @@ def _provider(name: str, body: Mapping[str, Any]) -> ProviderConfig:
         if not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"{where}: base_url must start with http:// or https://")
         return ProviderConfig(name, kind, base_url=base_url.rstrip("/"), **common)
+    if kind == "anthropic":
+        base_url = _str(body, "base_url", where, ANTHROPIC_URL)
+        if not base_url.startswith(("http://", "https://")):
+            raise ConfigError(f"{where}: base_url must start with http:// or https://")
+        version = _str(body, "anthropic_version", where, "2023-06-01")
+        return ProviderConfig(
+            name, kind, base_url=base_url.rstrip("/"), anthropic_version=version, **common
+        )
     argv = body.get("argv")
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
         raise ConfigError(f"{where}: argv must be a non-empty list of strings")
@@ -285,6 +300,15 @@ def _count(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{where} must be a whole number of at least 1, got {value!r}")
     return value
+
+
+def _params(body: Mapping[str, Any], where: str) -> dict[str, Any]:
+    params = body.get("params", {})
+    try:
+        chat.check_params(params, f"{where} params")
+    except chat.ChatError as exc:
+        raise ConfigError(str(exc)) from None
+    return dict(params)
 
 
 def _price(body: Mapping[str, Any], key: str, where: str) -> float:

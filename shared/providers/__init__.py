@@ -1,8 +1,11 @@
 """Model providers behind one small protocol: a ``CallRequest`` in, an ``Outcome`` out.
 
 ``simulated`` serves every ``sim/…`` model with scripted behaviour; ``openai``
-speaks to any OpenAI-compatible chat-completions endpoint; ``command`` runs a
-CLI agent. ``outcomes`` is the one table of what a call can come to, and of
+speaks to any OpenAI-compatible chat-completions endpoint, ``anthropic`` to
+Anthropic's Messages API (both on ``http``); ``command`` runs a CLI agent.
+``chat`` says what a call sends (the task's system prompt, conversation and
+parameters), ``ratelimits`` what an answer's headers say about the limits.
+``outcomes`` is the one table of what a call can come to, and of
 the names those outcomes go by. ``registry.Providers`` finds the provider of a
 model. Each provider module is imported only when a model of its kind is called.
 """

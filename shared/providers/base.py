@@ -20,6 +20,7 @@ class CallRequest:
     upstream: str | None = None  # the provider's name for the model, when it differs
     account: str = ""  # the provider account the call goes through ("" when unnamed)
     payload: Mapping[str, Any] = field(default_factory=dict)
+    params: Mapping[str, Any] = field(default_factory=dict)  # the model's defaults + the task's
 
 
 class Provider(Protocol):

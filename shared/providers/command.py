@@ -1,5 +1,12 @@
 """A CLI agent as a model: argv from config, the prompt on stdin, the answer on stdout.
 
+The whole request is also there for a program that wants more than the prompt:
+``AGENTBUS_REQUEST_FILE`` names a JSON file (readable by the worker's user
+only, removed when the call ends) holding ``task_id``, ``model`` (the name the
+program knows it by), ``text`` (the task text), ``system``, ``messages`` (the
+conversation, the task text its last user turn), ``params`` (the model's
+defaults with the task's over them) and ``payload`` (the task's, whole).
+
 The program runs with a minimal environment: ``PATH``, ``HOME``, ``LANG``, the
 variables its config lists in ``env``, and its own accounts' key variables —
 never the database URL or another provider's key. What it prints is masked.
@@ -10,12 +17,17 @@ A non-zero exit is mapped by ``exit_codes`` first, then by the first of
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 from agentbus import masking
 from agentbus.catalog import ProviderConfig
-from agentbus.providers import CallRequest
+from agentbus.errors import InvalidTask
+from agentbus.providers import CallRequest, chat
 from agentbus.providers.outcomes import (
     FAILURE_NAMES,
     Failed,
@@ -27,6 +39,8 @@ from agentbus.providers.outcomes import (
 
 #: What a CLI agent gets of the worker's environment besides what its config lists.
 BASE_ENV = ("PATH", "HOME", "LANG")
+#: The variable naming the file that holds the request as JSON.
+REQUEST_FILE = "AGENTBUS_REQUEST_FILE"
 DETAIL_CHARS = 300
 
 
@@ -44,16 +58,17 @@ class CommandProvider:
             arg.replace("{model}", request.upstream or request.model) for arg in self.config.argv
         ]
         try:
-            done = subprocess.run(
-                argv,
-                input=request.prompt,
-                capture_output=True,
-                text=True,
-                errors="replace",
-                timeout=timeout,
-                check=False,
-                env=self._env,
-            )
+            with request_file(request) as path:
+                done = subprocess.run(
+                    argv,
+                    input=request.prompt,
+                    capture_output=True,
+                    text=True,
+                    errors="replace",
+                    timeout=timeout,
+                    check=False,
+                    env={**self._env, REQUEST_FILE: path},
+                )
         except subprocess.TimeoutExpired:
             return TimedOut(f"{self.config.name}: no answer within {timeout:g}s")
         except OSError as exc:
@@ -71,3 +86,27 @@ class CommandProvider:
             if pattern is not None and pattern.search(done.stderr):
                 return failure_named(name, detail)
         return Failed(detail, retryable=True)
+
+
+@contextmanager
+def request_file(request: CallRequest) -> Iterator[str]:
+    """The request as a JSON file only this user can read, removed afterwards."""
+    try:
+        document = {
+            "task_id": request.task_id,
+            "model": request.upstream or request.model,
+            "text": request.prompt,
+            "system": chat.system_of(request.payload),
+            "messages": chat.conversation(request.prompt, request.payload),
+            "params": dict(request.params),
+            "payload": dict(request.payload),
+        }
+    except chat.ChatError as exc:  # a row written by hand: enqueue would have refused it
+        raise InvalidTask(str(exc)) from None
+    fd, path = tempfile.mkstemp(prefix="agentbus-request-", suffix=".json")  # mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(document, out, ensure_ascii=False)
+        yield path
+    finally:
+        os.unlink(path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,26 @@ class Usage:
 class Succeeded:
     text: str
     usage: Usage = field(default_factory=Usage)
+    finish_reason: str | None = None  # the endpoint's word: stop, length, tool_calls, end_turn …
+    # Tools the model asks to run, each {"id", "name", "arguments"} (arguments decoded
+    # from JSON when they are JSON).
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    # The answer's rate-limit headers say the account has no request (or token) left
+    # for this many seconds: its model is cooled that long without waiting for a 429.
+    limit_reset_sec: float | None = None
+
+    def detail(self, model: str) -> dict[str, Any]:
+        """What the task's ``result_detail`` keeps besides the text."""
+        out: dict[str, Any] = {"model": model}
+        if self.finish_reason is not None:
+            out["finish_reason"] = self.finish_reason
+        if self.tool_calls:
+            out["tool_calls"] = list(self.tool_calls)
+        out["usage"] = {
+            "prompt_tokens": self.usage.prompt_tokens,
+            "completion_tokens": self.usage.completion_tokens,
+        }
+        return out
 
 
 @dataclass(frozen=True)

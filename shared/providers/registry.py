@@ -3,10 +3,11 @@
 Model providers behind one small protocol: a call in, an ``Outcome`` out.
 
 ``simulated`` serves every ``sim/…`` model with scripted behaviour; ``openai``
-speaks to any OpenAI-compatible chat-completions endpoint; ``command`` runs a
-CLI agent. A provider never raises for a failed call — it returns an outcome
-— except ``InvalidTask`` when the task itself cannot be run (a malformed
-simulation script), which fails the task with that reason.
+speaks to any OpenAI-compatible chat-completions endpoint; ``anthropic`` to
+Anthropic's Messages API; ``command`` runs a CLI agent. A provider never raises
+for a failed call — it returns an outcome — except ``InvalidTask`` when the
+task itself cannot be run (a malformed simulation script or conversation),
+which fails the task with that reason.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from agentbus.catalog import Catalog
+from agentbus.catalog import Catalog, ModelConfig
 from agentbus.providers.base import Provider
 
 if TYPE_CHECKING:
@@ -49,12 +50,13 @@ class Providers:
                 self._made, self._made_for = {}, catalog
         return catalog
 
-    def for_model(self, model: str) -> tuple[Provider, str]:
-        """The provider of ``model`` and the name that provider knows it by."""
+    def for_model(self, model: str) -> tuple[Provider, ModelConfig]:
+        """The provider of ``model`` and the model's config (the name that provider
+        knows it by, its default parameters)."""
         config = self.catalog.model(model)
         if self.catalog.provider(config.provider).kind == "simulated":
-            return self._get("", self._simulated), config.upstream
-        return self._get(config.provider, self._configured), config.upstream
+            return self._get("", self._simulated), config
+        return self._get(config.provider, self._configured), config
 
     def check(self, payload: Mapping[str, Any], chain: tuple[str, ...]) -> None:
         """Raise InvalidTask if the payload cannot drive this chain (before any call)."""
@@ -85,6 +87,10 @@ class Providers:
             from agentbus.providers.openai import OpenAIProvider
 
             return OpenAIProvider(config, self.environ)
+        if config.kind == "anthropic":
+            from agentbus.providers.anthropic import AnthropicProvider
+
+            return AnthropicProvider(config, self.environ)
         from agentbus.providers.command import CommandProvider
 
         return CommandProvider(config, self.environ)

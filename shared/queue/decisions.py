@@ -25,6 +25,9 @@ class Complete:
     result: str | None
     model: str | None = None
     usage: Usage = field(default_factory=Usage)
+    # What the answer said besides its text (model, finish reason, tool calls, usage):
+    # the task's result_detail.
+    detail: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

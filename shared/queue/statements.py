@@ -12,6 +12,7 @@ Parameters: ``p_id``, ``p_token``, ``p_now`` always; per action the ones its
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,10 +38,14 @@ P_LIMIT = _p("p_limit", sa.Integer)
 P_AGENT = _p("p_agent")
 P_WORKER = _p("p_worker")
 
+#: JSON text into a JSON column (SQLite keeps JSON as text).
+_JSON_TEXT = sa.Text().with_variant(postgresql.JSON(), "postgresql")
+
 _CLAIMED_CHANGES: dict[str, Mapping[str, Any]] = {
     "complete": {
         "result": _p("p_result"),
         "result_note": _p("p_note"),
+        "result_detail": sa.cast(_p("p_detail"), _JSON_TEXT),
         "attempts": t.c.attempts + 1,
         "lease_until": None,
         "first_paused_at": None,
@@ -217,7 +222,8 @@ def claim_statement(dialect: str) -> Update:
 def _complete_many_postgres() -> Update:
     """Postgres: complete many claims in one guarded UPDATE over unnest()ed arrays.
 
-    Parameters ``p_ids``, ``p_tokens``, ``p_results``, ``p_notes`` (parallel arrays), ``p_now``.
+    Parameters ``p_ids``, ``p_tokens``, ``p_results``, ``p_notes``, ``p_details`` (parallel
+    arrays; a detail is JSON text), ``p_now``.
     """
     batch = (
         sa.func.unnest(
@@ -225,14 +231,16 @@ def _complete_many_postgres() -> Update:
             sa.bindparam("p_tokens", type_=postgresql.ARRAY(sa.BigInteger)),
             sa.bindparam("p_results", type_=postgresql.ARRAY(sa.Text)),
             sa.bindparam("p_notes", type_=postgresql.ARRAY(sa.Text)),
+            sa.bindparam("p_details", type_=postgresql.ARRAY(sa.Text)),
         )
-        .table_valued("v_id", "v_token", "v_result", "v_note")
+        .table_valued("v_id", "v_token", "v_result", "v_note", "v_detail")
         .render_derived(name="batch")
     )
     changes = {
         **_CLAIMED_CHANGES["complete"],
         "result": batch.c.v_result,
         "result_note": batch.c.v_note,
+        "result_detail": sa.cast(batch.c.v_detail, postgresql.JSON),
     }
     return (
         sa.update(t)
@@ -269,9 +277,10 @@ def action_of(decision: Decision) -> str:
 def settle_params(decision: Decision) -> tuple[str, dict[str, Any]]:
     """The transition a decision makes and its statement's parameters."""
     match decision:
-        case Complete(result=result, model=model):
+        case Complete(result=result, model=model, detail=detail):
             note = f"model={model}" if model is not None else None
-            return "complete", {"p_result": result, "p_note": note}
+            shown = None if detail is None else json.dumps(detail, ensure_ascii=False)
+            return "complete", {"p_result": result, "p_note": note, "p_detail": shown}
         case Pause():
             return "pause", {
                 "p_resume_after": decision.resume_after,

@@ -169,6 +169,7 @@ class SteadyState:
             "p_tokens": [a.token for a in acks],
             "p_results": [events.storable(r["p_result"]) for r in results],
             "p_notes": [events.storable(r["p_note"]) for r in results],
+            "p_details": [events.storable(r["p_detail"]) for r in results],
             "p_events": [events.for_settlement(a, worker, now) for a in acks],
             "p_routes": [{**r.row(), "day": day_of(r.at)} for a in acks for r in a.routes],
         }

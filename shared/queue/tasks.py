@@ -15,6 +15,7 @@ from typing import Any
 
 from agentbus.catalog.model import NAME_RE
 from agentbus.errors import InvalidTask
+from agentbus.providers import chat
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import InvalidJSON
 
@@ -94,6 +95,10 @@ def validate(spec: TaskSpec) -> None:
     except (TypeError, ValueError) as exc:
         raise InvalidTask(f"the payload is not JSON: {exc}") from None
     _unicode("payload", encoded)
+    try:
+        chat.check_payload(spec.payload)
+    except chat.ChatError as exc:
+        raise InvalidTask(str(exc)) from None
     object.__setattr__(spec, "payload_depth", nesting)  # a frozen value: measured once here
     object.__setattr__(spec, "payload_bytes", len(encoded.encode("utf-8")))
     if isinstance(spec.priority, bool) or not isinstance(spec.priority, int):
@@ -213,6 +218,7 @@ class Task:
     idempotency_key: str | None
     result: str | None
     result_note: str | None
+    result_detail: dict[str, Any] | None  # model, finish_reason, tool_calls, usage
     last_error: str | None
     created_at: float | None
     updated_at: float | None
@@ -223,6 +229,7 @@ class Task:
     def from_row(cls, row: Mapping[Any, Any]) -> Task:
         models = row["models"]
         payload = row["payload"]
+        detail = row["result_detail"]
         return cls(
             problem=_row_problem(payload, models),
             id=int(row["id"]),
@@ -251,6 +258,7 @@ class Task:
             idempotency_key=row["idempotency_key"],
             result=row["result"],
             result_note=row["result_note"],
+            result_detail=detail if isinstance(detail, dict) else None,
             last_error=row["last_error"],
             created_at=row["created_at"],
             updated_at=row["updated_at"],
