@@ -96,6 +96,9 @@ def test_an_operator_retries_a_task_from_the_dashboard_with_the_token_only(
         web.call(f"/element/{web.find(f'#detail-body #retry-{failed}')}/click")
         wait_until(lambda: f"retry task {failed}: done" in web.text("#acted"))
         wait_until(lambda: f"{failed} · writer · queued" in web.text("#detail-id"))
+        web.call("/url", {"url": f"{base}/#task-{facts['done']}"})  # what the answer said
+        wait_until(lambda: "finish tool_calls" in web.text("#detail-body"))
+        assert "30 + 12 tokens · tool calls: search" in web.text("#detail-body")
     finally:
         web.close()
         chromedriver.terminate()

@@ -90,7 +90,9 @@ def seed(url: str) -> dict[str, Any]:
         cost=0.5,
     )
     assert (
-        queue.settle(Settlement(done, claim.claim_token, Complete("ok", "sim/opus"), [call]))
+        queue.settle(
+            Settlement(done, claim.claim_token, Complete("ok", "sim/opus", detail=ANSWER), [call])
+        )
         is None
     )
     failed = queue.enqueue(TaskSpec(agent="writer", command="f", models=("sim/opus",))).id
@@ -99,7 +101,16 @@ def seed(url: str) -> dict[str, Any]:
     queue.enqueue(TaskSpec(agent="orphan", command="o", models=("sim/opus",)))
     write_setting(db, mode="warn", size=None, by="ops")  # the workspace's budget, not a flag's
     db.dispose()
-    return {"paused": paused, "failed": failed}
+    return {"paused": paused, "failed": failed, "done": done}
+
+
+#: What the done task's answer said besides its text.
+ANSWER = {
+    "model": "sim/opus",
+    "finish_reason": "tool_calls",
+    "tool_calls": [{"id": "c1", "name": "search", "arguments": {"q": "tides"}}],
+    "usage": {"prompt_tokens": 30, "completion_tokens": 12},
+}
 
 
 @pytest.fixture
