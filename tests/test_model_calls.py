@@ -411,3 +411,23 @@ def test_the_command_provider_hands_the_request_over_as_a_json_file(tmp_path: Pa
         "payload": payload,
     }
     assert not Path(seen["path"]).exists()  # removed when the call ended
+
+
+def test_an_anthropic_provider_in_the_config() -> None:
+    doc: dict[str, Any] = {"providers": {"ant": {"kind": "anthropic", "api_key_env": "K"}}}
+    provider = parse_catalog(doc).providers["ant"]
+    assert (provider.base_url, provider.anthropic_version) == (
+        "https://api.anthropic.com",
+        "2023-06-01",
+    )
+    doc["providers"]["ant"].update(base_url="http://llm.local/", anthropic_version="2024-01-01")
+    provider = parse_catalog(doc).providers["ant"]
+    assert (provider.base_url, provider.anthropic_version) == ("http://llm.local", "2024-01-01")
+    for broken, message in (
+        ({"kind": "anthropic"}, "name the variable holding the key"),
+        ({"kind": "anthropic", "api_key_env": "K", "argv": ["x"]}, "unknown key 'argv'"),
+        ({"kind": "anthropic", "api_key_env": "K", "base_url": "ftp://x"}, "base_url must start"),
+        ({"kind": "openai", "api_key_env": "K"}, "base_url must be a non-empty string"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse_catalog({"providers": {"p": broken}})

@@ -30,6 +30,19 @@ def config_file(tmp_path: Path, text: str) -> str:
     return str(path)
 
 
+def openai_config(tmp_path: Path, mock: MockLLM, more: str = "") -> str:
+    """A config with model ``gpt`` on the mock's OpenAI-compatible endpoint (key $OAI_KEY)."""
+    head = f"""
+[providers.oai]
+kind = "openai"
+base_url = "{mock.url}/v1"
+api_key_env = "OAI_KEY"
+[models.gpt]
+provider = "oai"
+"""
+    return config_file(tmp_path, head + more)
+
+
 def rows(db_url: str, query: Any) -> list[Any]:
     db = Database(db_url)
     try:
@@ -42,17 +55,11 @@ def rows(db_url: str, query: Any) -> list[Any]:
 def test_a_conversation_with_params_runs_and_its_answer_detail_is_kept(
     db_url: str, spawn: Spawn, run_busctl: Busctl, mock_llm: MockLLM, tmp_path: Path
 ) -> None:
-    config = config_file(
+    config = openai_config(
         tmp_path,
-        f"""
-[providers.oai]
-kind = "openai"
-base_url = "{mock_llm.url}/v1"
-api_key_env = "OAI_KEY"
-[models.gpt]
-provider = "oai"
-name = "gpt-4o-mini"
-params = {{ temperature = 0.2, max_tokens = 300 }}
+        mock_llm,
+        """name = "gpt-4o-mini"
+params = { temperature = 0.2, max_tokens = 300 }
 [agents.codex]
 models = ["gpt"]
 """,
@@ -183,17 +190,7 @@ params = {{ max_tokens = 1000 }}
 def test_a_cooldown_learnt_from_headers_spares_the_next_worker_its_429(
     db_url: str, spawn: Spawn, run_busctl: Busctl, mock_llm: MockLLM, tmp_path: Path
 ) -> None:
-    config = config_file(
-        tmp_path,
-        f"""
-[providers.oai]
-kind = "openai"
-base_url = "{mock_llm.url}/v1"
-api_key_env = "OAI_KEY"
-[models.gpt]
-provider = "oai"
-""",
-    )
+    config = openai_config(tmp_path, mock_llm)
     env = {"AGENTBUS_DATABASE_URL": db_url, "AGENTBUS_CONFIG": config, "OAI_KEY": "sk-x"}
     spent = {"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "6m0s"}
     mock_llm.queue(Answer(200, None, spent))

@@ -53,6 +53,7 @@ PROVIDER_KINDS = ("openai", "anthropic", "command", "simulated")
 HTTP_KINDS = ("openai", "anthropic")
 #: Where an Anthropic provider without ``base_url`` sends its calls.
 ANTHROPIC_URL = "https://api.anthropic.com"
+ANTHROPIC_VERSION = "2023-06-01"  # the anthropic-version header unless the config says
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class ProviderConfig:
     concurrency: int | None = None
     circuit: bool = True
     env: tuple[str, ...] = ()  # variables a command provider's program also gets
-    anthropic_version: str = "2023-06-01"  # the anthropic-version header (kind anthropic)
+    anthropic_version: str = ANTHROPIC_VERSION  # the anthropic-version header (kind anthropic)
 
     @property
     def endpoint(self) -> str:
@@ -98,7 +99,8 @@ class ModelConfig:
     bulkhead: str | None = None
     input_cost_per_1k: float = 0.0
     output_cost_per_1k: float = 0.0
-    params: Mapping[str, Any] = field(default_factory=dict)  # defaults a task's params override
+    # Defaults a task's params override (not part of the hash: a dict).
+    params: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import Any
 
 from agentbus.catalog.model import (
     ANTHROPIC_URL,
+    ANTHROPIC_VERSION,
     HTTP_KINDS,
     NAME_RE,
     PROVIDER_KINDS,
@@ -183,19 +184,14 @@ def _provider(name: str, body: Mapping[str, Any]) -> ProviderConfig:
     }
     if kind == "simulated":
         return ProviderConfig(name, kind, **common)
-    if kind == "openai":
-        base_url = _str(body, "base_url", where)
+    if kind in HTTP_KINDS:
+        anthropic = kind == "anthropic"
+        base_url = _str(body, "base_url", where, ANTHROPIC_URL if anthropic else None)
         if not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"{where}: base_url must start with http:// or https://")
+        if anthropic:
+            common["anthropic_version"] = _str(body, "anthropic_version", where, ANTHROPIC_VERSION)
         return ProviderConfig(name, kind, base_url=base_url.rstrip("/"), **common)
-    if kind == "anthropic":
-        base_url = _str(body, "base_url", where, ANTHROPIC_URL)
-        if not base_url.startswith(("http://", "https://")):
-            raise ConfigError(f"{where}: base_url must start with http:// or https://")
-        version = _str(body, "anthropic_version", where, "2023-06-01")
-        return ProviderConfig(
-            name, kind, base_url=base_url.rstrip("/"), anthropic_version=version, **common
-        )
     argv = body.get("argv")
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
         raise ConfigError(f"{where}: argv must be a non-empty list of strings")
