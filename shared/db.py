@@ -113,6 +113,7 @@ class Database:
             )
         else:
             self.engine = sa.create_engine(self.url, pool_size=pool_size, max_overflow=pool_size)
+        self._pins: weakref.WeakSet[Pinned] = weakref.WeakSet()
         path = self.sqlite_path()
         self._writers: contextlib.AbstractContextManager[None] = (
             _WriterTurns(path) if path is not None else contextlib.nullcontext()
@@ -144,8 +145,17 @@ class Database:
         return self._retrying(lambda: self._write_once(work))
 
     def _write_once(self, work: Callable[[Connection], T]) -> T:
-        with self._writers:
-            return self._once(self.engine, work)
+        # The pool's work (checking a connection out and back in) outside the writers'
+        # turn: the turn lasts from BEGIN IMMEDIATE to COMMIT only.
+        with self.engine.connect() as conn, self._writers, conn.begin():
+            return work(conn)
+
+    def pinned(self) -> Pinned:
+        """A connection kept out of the pool for a caller that writes many times a second
+        (closed by ``dispose``)."""
+        pin = Pinned(self)
+        self._pins.add(pin)
+        return pin
 
     def prepared(self, statement: Any) -> Prepared:
         """``statement`` compiled for this database, once (see ``Prepared``)."""
@@ -230,7 +240,57 @@ class Database:
         return Path(self.url.database)
 
     def dispose(self) -> None:
+        for pin in list(self._pins):
+            pin.close()
         self.engine.dispose()
+
+
+class Pinned:
+    """One connection kept checked out for a caller on its hot path (a worker's
+    settle-and-claim): no pool checkout, reset and check-in per transaction.
+
+    ``write`` and ``write_one`` are ``Database.write`` and ``write_one`` on that
+    connection. One thread uses it at a time; a thread that finds it in use goes
+    through the pool. After any error the connection is closed and the next
+    transaction (a retry included) takes a fresh one.
+    """
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._lock = threading.Lock()
+        self._conn: Connection | None = None
+
+    def write(self, work: Callable[[Connection], T]) -> T:
+        return self._run(work, autocommit=False)
+
+    def write_one(self, work: Callable[[Connection], T]) -> T:
+        return self._run(work, autocommit=self.db.dialect == "postgresql")
+
+    def _run(self, work: Callable[[Connection], T], *, autocommit: bool) -> T:
+        if not self._lock.acquire(blocking=False):
+            return self.db.write_one(work) if autocommit else self.db.write(work)
+        try:
+            return self.db._retrying(lambda: self._once(work, autocommit))
+        finally:
+            self._lock.release()
+
+    def _once(self, work: Callable[[Connection], T], autocommit: bool) -> T:
+        if self._conn is None:
+            engine = self.db._read_engine if autocommit else self.db.engine
+            self._conn = engine.connect()
+        conn = self._conn
+        try:
+            with contextlib.nullcontext() if autocommit else self.db._writers, conn.begin():
+                return work(conn)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
 
 
 class _WriterTurns:
@@ -439,10 +499,13 @@ def _sqlite_engine(url: URL, busy_timeout_ms: int, synchronous: str, pool_size: 
 
     @sa.event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        if conn.get_execution_options().get("agentbus_read_only"):
-            conn.exec_driver_sql("BEGIN")
-        else:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        sql = (
+            "BEGIN" if conn.get_execution_options().get("agentbus_read_only") else "BEGIN IMMEDIATE"
+        )
+        try:  # on the driver's connection: a statement of every transaction
+            conn.connection.dbapi_connection.execute(sql)  # type: ignore[union-attr]
+        except sqlite3.Error as exc:  # as SQLAlchemy raises it (is_transient knows "busy")
+            raise sa.exc.DBAPIError.instance(sql, None, exc, sqlite3.Error) from exc
 
     return engine
 

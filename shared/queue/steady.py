@@ -133,6 +133,7 @@ class SteadyState:
     def __init__(self, db: Database) -> None:
         self.db = db
         self.postgres = db.dialect == "postgresql"
+        self._pin = db.pinned()  # one transaction per claim: no pool round per claim
 
     def run(
         self,
@@ -155,8 +156,8 @@ class SteadyState:
             "p_limit": max(limit, 0),
         }
         if self.postgres:
-            return self.db.write_one(lambda conn: self._postgres(conn, acks, claim))
-        return self.db.write(lambda conn: self._sqlite(conn, acks, claim))
+            return self._pin.write_one(lambda conn: self._postgres(conn, acks, claim))
+        return self._pin.write(lambda conn: self._sqlite(conn, acks, claim))
 
     def _postgres(
         self, conn: Connection, acks: Sequence[Settlement], claim: dict[str, Any]
