@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from agentbus.db import Database
+from agentbus.db import Database, Pinned
 from agentbus.errors import TransitionRejected
 from agentbus.queue import events, wakeups
 from agentbus.queue.statements import MOVE_MANY
@@ -49,6 +49,11 @@ class QueueBase:
         self._insert_key = dialect_insert(idempotency_keys).on_conflict_do_nothing(
             index_elements=["key"]
         )
+
+    @functools.cached_property
+    def _pin(self) -> Pinned:
+        """The connection enqueues go through, kept out of the pool (made at the first)."""
+        return self.db.pinned()
 
     @functools.cached_property
     def _steady(self) -> SteadyState:

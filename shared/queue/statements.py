@@ -345,21 +345,29 @@ ENQUEUE_ARRAYS: dict[str, Any] = {
 }
 
 
-def _enqueue_many_postgres() -> sa.Select[Any]:
+def _enqueue_postgres(*, single: bool) -> sa.Select[Any]:
     """PostgreSQL: insert tasks, their enqueue events and the idle workers' wake-up in one
     statement. Parameters: one array per ENQUEUE_ARRAYS entry (``p_<name>``, a value per
-    task, in order) and ``p_now``. Returns the new ids in the order of the arrays."""
+    task, in order) and ``p_now``; with ``single``, one value per entry instead (one
+    task: no array to encode). Returns the new ids in the order of the arrays."""
     from agentbus.queue.wakeups import CHANNEL
 
-    arrays = [
-        sa.bindparam(f"p_{name}", type_=postgresql.ARRAY(element))
-        for name, element in ENQUEUE_ARRAYS.items()
-    ]
-    given = (
-        sa.func.unnest(*arrays)
-        .table_valued(*ENQUEUE_ARRAYS, with_ordinality="n")
-        .render_derived(name="given")
-    )
+    order: tuple[Any, ...] = ()
+    if single:
+        given: Any = sa.select(
+            *(sa.bindparam(f"p_{n}", type_=e).label(n) for n, e in ENQUEUE_ARRAYS.items())
+        ).subquery("given")
+    else:
+        arrays = [
+            sa.bindparam(f"p_{name}", type_=postgresql.ARRAY(element))
+            for name, element in ENQUEUE_ARRAYS.items()
+        ]
+        given = (
+            sa.func.unnest(*arrays)
+            .table_valued(*ENQUEUE_ARRAYS, with_ordinality="n")
+            .render_derived(name="given")
+        )
+        order = (given.c.n,)  # ids are drawn in this order: RETURNING sorted by id keeps it
     rows = sa.select(
         given.c.agent,
         given.c.command,
@@ -372,7 +380,7 @@ def _enqueue_many_postgres() -> sa.Select[Any]:
         given.c.max_attempts,
         P_NOW,
         P_NOW,
-    ).order_by(given.c.n)  # ids are drawn in this order: RETURNING sorted by id keeps it
+    ).order_by(*order)
     columns = [c for c in ENQUEUED_COLUMNS if c != "idempotency_key"]  # in the order above
     new = sa.insert(t).from_select(columns, rows).returning(t.c.id, t.c.agent).cte("new")
     event = (
@@ -392,4 +400,5 @@ def _enqueue_many_postgres() -> sa.Select[Any]:
     return sa.select(new.c.id, notified).add_cte(event).order_by(new.c.id)
 
 
-ENQUEUE_MANY_POSTGRES = _enqueue_many_postgres()
+ENQUEUE_MANY_POSTGRES = _enqueue_postgres(single=False)
+ENQUEUE_ONE_POSTGRES = _enqueue_postgres(single=True)

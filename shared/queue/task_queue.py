@@ -34,6 +34,7 @@ from agentbus.queue.statements import (
     ENQUEUE_ARRAYS,
     ENQUEUE_MANY_POSTGRES,
     ENQUEUE_ONE,
+    ENQUEUE_ONE_POSTGRES,
     HAS_DUE,
     HEARTBEAT,
     INSERT_EVENT,
@@ -110,16 +111,21 @@ class TaskQueue(SweepOps, SteeringOps):
         now = self.clock()
         rows = [self._row(s, now) for s in specs]
         if self.db.dialect == "postgresql":
-            statement = self.db.prepared(ENQUEUE_MANY_POSTGRES)
-            params: dict[str, Any] = {f"p_{n}": [r[n] for r in rows] for n in ENQUEUE_ARRAYS}
-            params["p_payload"] = [json.dumps(r["payload"]) for r in rows]
-            params["p_models"] = [_json_or_none(r["models"]) for r in rows]
+            for r in rows:
+                r["payload"], r["models"] = json.dumps(r["payload"]), _json_or_none(r["models"])
+            params: dict[str, Any]
+            if len(rows) == 1:
+                statement = self.db.prepared(ENQUEUE_ONE_POSTGRES)
+                params = {f"p_{n}": rows[0][n] for n in ENQUEUE_ARRAYS}
+            else:
+                statement = self.db.prepared(ENQUEUE_MANY_POSTGRES)
+                params = {f"p_{n}": [r[n] for r in rows] for n in ENQUEUE_ARRAYS}
             params["p_now"] = now
 
             def one_statement(conn: Connection) -> list[int]:
                 return [int(row[0]) for row in statement.execute(conn, params).fetchall()]
 
-            return self.db.write_one(one_statement)
+            return self._pin.write_one(one_statement)
         insert, event = self.db.prepared(ENQUEUE_ONE), self.db.prepared(INSERT_EVENT)
 
         def work(conn: Connection) -> list[int]:
@@ -132,7 +138,7 @@ class TaskQueue(SweepOps, SteeringOps):
             )
             return ids
 
-        return self.db.write(work)
+        return self._pin.write(work)
 
     def _row(self, spec: TaskSpec, now: float) -> dict[str, Any]:
         check_payload(spec, self.payload_limits)
