@@ -126,6 +126,8 @@ def _claimed_statement(action: str) -> Update:
 
 #: action -> the guarded UPDATE that settles a claim held under ``p_token``.
 SETTLE: dict[str, Update] = {action: _claimed_statement(action) for action in _CLAIMED_CHANGES}
+#: PostgreSQL: one completion (``SETTLE["complete"]``'s parameters), returning the id when it held.
+COMPLETE_ONE_POSTGRES = _claimed_statement("complete").returning(t.c.id)
 
 HEARTBEAT = (
     sa.update(t)

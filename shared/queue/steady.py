@@ -30,6 +30,7 @@ from agentbus.queue import events
 from agentbus.queue.decisions import Complete, Settlement
 from agentbus.queue.statements import (
     COMPLETE_MANY_POSTGRES,
+    COMPLETE_ONE_POSTGRES,
     INSERT_EVENT,
     INSERT_ROUTE,
     P_NOW,
@@ -57,15 +58,17 @@ def _recordset(name: str, table: sa.Table, extra: Sequence[sa.ColumnClause[Any]]
 
 
 @functools.cache
-def ack_and_claim_postgres() -> sa.Select[Any]:
+def ack_and_claim_postgres(*, single: bool = False) -> sa.Select[Any]:
     """PostgreSQL: the steady state in one statement.
 
-    Parameters: those of ``COMPLETE_MANY_POSTGRES`` and of the claim, ``p_events``
-    (the settlement events), ``p_routes`` (routing rows, each with its ``day``) as
-    JSON arrays. Returns one row per claimed task (all its columns) and, in column
-    ``acked`` of every row, the ids whose completion held; at least one row.
+    Parameters: those of ``COMPLETE_MANY_POSTGRES`` (with ``single``: of
+    ``COMPLETE_ONE_POSTGRES``, one completion or none, ``p_id`` NULL) and of the claim,
+    ``p_events`` (the settlement events), ``p_routes`` (routing rows, each with its
+    ``day``) as JSON arrays. Returns one row per claimed task (all its columns) and,
+    in column ``acked`` of every row, the ids whose completion held; at least one row.
     """
-    acked = COMPLETE_MANY_POSTGRES.cte("acked")
+    complete = COMPLETE_ONE_POSTGRES if single else COMPLETE_MANY_POSTGRES
+    acked = complete.cte("acked")
     held = sa.select(acked.c.id)
     claimed = claim_statement("postgresql").cte("claimed")
     ev = _recordset("events", task_events)
@@ -166,15 +169,23 @@ class SteadyState:
         results = [settle_params(a.decision)[1] for a in acks]
         params = {
             **claim,
-            "p_ids": [a.task_id for a in acks],
-            "p_tokens": [a.token for a in acks],
-            "p_results": [events.storable(r["p_result"]) for r in results],
-            "p_notes": [events.storable(r["p_note"]) for r in results],
-            "p_details": [events.storable(r["p_detail"]) for r in results],
             "p_events": [events.for_settlement(a, worker, now) for a in acks],
             "p_routes": [{**r.row(), "day": day_of(r.at)} for a in acks for r in a.routes],
         }
-        both = prepared(conn.dialect, ack_and_claim_postgres())
+        single = len(acks) <= 1  # one at a time: plain parameters, no array to encode
+        if single:  # none: p_id NULL matches no row
+            first = acks[0] if acks else None
+            params["p_id"] = first.task_id if first else None
+            params["p_token"] = first.token if first else None
+            values = results[0] if results else dict.fromkeys(("p_result", "p_note", "p_detail"))
+            params.update((k, events.storable(v)) for k, v in values.items())
+        else:
+            params["p_ids"] = [a.task_id for a in acks]
+            params["p_tokens"] = [a.token for a in acks]
+            params["p_results"] = [events.storable(r["p_result"]) for r in results]
+            params["p_notes"] = [events.storable(r["p_note"]) for r in results]
+            params["p_details"] = [events.storable(r["p_detail"]) for r in results]
+        both = prepared(conn.dialect, ack_and_claim_postgres(single=single))
         rows = both.rows(both.execute(conn, params))
         acked = set(rows[0]["acked"] or ())
         return acked, [row for row in rows if row["id"] is not None]
