@@ -45,11 +45,17 @@ class _LazyLogger:
 
     def __init__(self, name: str) -> None:
         self._name = name
+        self._proxy: Any = None
 
     def __getattr__(self, attr: str) -> Any:
-        import structlog
+        proxy = self._proxy
+        if proxy is None:
+            import structlog
 
-        return getattr(structlog.get_logger(self._name), attr)
+            # structlog's proxy reads the configuration at each call: made once, it
+            # still follows a later ``configure``.
+            proxy = self._proxy = structlog.get_logger(self._name)
+        return getattr(proxy, attr)
 
 
 def when(epoch: float) -> str:
