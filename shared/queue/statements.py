@@ -334,7 +334,7 @@ ENQUEUE_ONE = (
     .returning(t.c.id)
 )
 
-#: The per-task arrays of ``ENQUEUE_MANY_POSTGRES`` (``p_<name>``), with their element types.
+#: The per-task values of a PostgreSQL enqueue, with their types.
 ENQUEUE_ARRAYS: dict[str, Any] = {
     "agent": sa.Text,
     "command": sa.Text,
@@ -349,9 +349,11 @@ ENQUEUE_ARRAYS: dict[str, Any] = {
 
 def _enqueue_postgres(*, single: bool) -> sa.Select[Any]:
     """PostgreSQL: insert tasks, their enqueue events and the idle workers' wake-up in one
-    statement. Parameters: one array per ENQUEUE_ARRAYS entry (``p_<name>``, a value per
-    task, in order) and ``p_now``; with ``single``, one value per entry instead (one
-    task: no array to encode). Returns the new ids in the order of the arrays."""
+    statement. Parameters: ``p_rows``, a JSON array of the tasks (each an object with
+    the ENQUEUE_ARRAYS keys and ``n``, its place) and ``p_now``; with ``single``,
+    ``p_<name>`` for each ENQUEUE_ARRAYS entry instead. ``payload`` and ``models`` are
+    JSON text either way (a payload's "\u0000" stays an escape: PostgreSQL refuses it
+    decoded). Returns the new ids in order."""
     from agentbus.queue.wakeups import CHANNEL
 
     order: tuple[Any, ...] = ()
@@ -359,15 +361,13 @@ def _enqueue_postgres(*, single: bool) -> sa.Select[Any]:
         given: Any = sa.select(
             *(sa.bindparam(f"p_{n}", type_=e).label(n) for n, e in ENQUEUE_ARRAYS.items())
         ).subquery("given")
-    else:
-        arrays = [
-            sa.bindparam(f"p_{name}", type_=postgresql.ARRAY(element))
-            for name, element in ENQUEUE_ARRAYS.items()
-        ]
+    else:  # one JSON document for the batch: one encoding, not an array per column
         given = (
-            sa.func.unnest(*arrays)
-            .table_valued(*ENQUEUE_ARRAYS, with_ordinality="n")
-            .render_derived(name="given")
+            sa.func.json_to_recordset(sa.bindparam("p_rows", type_=postgresql.JSON))
+            .table_valued(
+                sa.column("n", sa.Integer), *(sa.column(n, e) for n, e in ENQUEUE_ARRAYS.items())
+            )
+            .render_derived(name="given", with_types=True)
         )
         order = (given.c.n,)  # ids are drawn in this order: RETURNING sorted by id keeps it
     rows = sa.select(
