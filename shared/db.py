@@ -398,23 +398,36 @@ class Prepared:
 
     def rows(self, cursor: Any) -> list[dict[str, Any]]:
         """The cursor's rows as dicts by column, each value as SQLAlchemy would read it."""
-        return [dict(zip(self.columns, row, strict=True)) for row in self.tuples(cursor)]
+        return self.dicts(self.fetch(cursor))
 
     def tuples(self, cursor: Any) -> list[tuple[Any, ...]]:
         """The cursor's rows, each value as SQLAlchemy would read it."""
+        return self.read(self.fetch(cursor))
+
+    def fetch(self, cursor: Any) -> list[tuple[Any, ...]]:
+        """The cursor's rows as the driver gives them (``read`` or ``dicts`` them later,
+        say once a transaction is over)."""
         if self._results is None:  # the driver's column types are known now
             self._results = [
                 type_.result_processor(self._dialect, described[1])
                 for type_, described in zip(self._types, cursor.description, strict=True)
             ]
-        procs = self._results
+        return list(cursor.fetchall())
+
+    def read(self, fetched: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """Rows from ``fetch``, each value as SQLAlchemy would read it."""
+        procs = self._results or ()
         return [
             tuple(
                 value if process is None else process(value)
                 for process, value in zip(procs, row, strict=True)
             )
-            for row in cursor.fetchall()
+            for row in fetched
         ]
+
+    def dicts(self, fetched: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+        """Rows from ``fetch`` as dicts by column, read as SQLAlchemy would."""
+        return [dict(zip(self.columns, row, strict=True)) for row in self.read(fetched)]
 
 
 def _raw_cursor(conn: Connection) -> Any:

@@ -160,7 +160,7 @@ class SteadyState:
         }
         if self.postgres:
             return self._pin.write_one(lambda conn: self._postgres(conn, acks, claim))
-        return self._pin.write(lambda conn: self._sqlite(conn, acks, claim))
+        return self._sqlite(acks, claim)
 
     def _postgres(
         self, conn: Connection, acks: Sequence[Settlement], claim: dict[str, Any]
@@ -191,33 +191,55 @@ class SteadyState:
         return acked, [row for row in rows if row["id"] is not None]
 
     def _sqlite(
-        self, conn: Connection, acks: Sequence[Settlement], claim: dict[str, Any]
+        self, acks: Sequence[Settlement], claim: dict[str, Any]
     ) -> tuple[set[int], list[dict[str, Any]]]:
+        """Everything that does not depend on the transaction is made before it begins
+        and the claimed rows are read after it ends: the writers' turn (one writer at a
+        time on SQLite) holds only the statements."""
         now, worker = claim["p_now"], claim["p_worker"]
-        complete = prepared(conn.dialect, SETTLE["complete"])
-        claiming = prepared(conn.dialect, claim_statement("sqlite"))
-        done = []
+        dialect = self.db.engine.dialect
+        complete = prepared(dialect, SETTLE["complete"])
+        claiming = prepared(dialect, claim_statement("sqlite"))
+        insert_event, insert_route = (
+            prepared(dialect, INSERT_EVENT),
+            prepared(dialect, INSERT_ROUTE),
+        )
+        add_usage = prepared(dialect, usage.upsert("sqlite"))
+        completes = []
         for a in acks:
             params = {"p_id": a.task_id, "p_token": a.token, "p_now": now}
             params.update((k, events.storable(v)) for k, v in settle_params(a.decision)[1].items())
-            if complete.execute(conn, params).rowcount == 1:
-                done.append(a)
-        rows = claiming.rows(claiming.execute(conn, claim)) if claim["p_limit"] else []
-        moves = [events.for_settlement(a, worker, now) for a in done]
-        moves.extend(
-            events.event(
-                row["id"],
-                QUEUED,
-                CLAIMED,
-                now,
-                worker=worker,
-                claim_token=row["claim_token"],
-                reason="claim",
+            completes.append((a, params))
+        settled = {a.task_id: events.for_settlement(a, worker, now) for a in acks}
+        all_routes = [r for a in acks for r in a.routes]
+        route_rows, usage_rows = [r.row() for r in all_routes], usage.rows(all_routes)
+        id_at, token_at = claiming.columns.index("id"), claiming.columns.index("claim_token")
+
+        def work(conn: Connection) -> tuple[list[Settlement], list[tuple[Any, ...]]]:
+            done = [a for a, params in completes if complete.execute(conn, params).rowcount == 1]
+            fetched = claiming.fetch(claiming.execute(conn, claim)) if claim["p_limit"] else []
+            moves = [settled[a.task_id] for a in done]
+            moves.extend(
+                events.event(
+                    row[id_at],
+                    QUEUED,
+                    CLAIMED,
+                    now,
+                    worker=worker,
+                    claim_token=row[token_at],
+                    reason="claim",
+                )
+                for row in fetched
             )
-            for row in rows
-        )
-        prepared(conn.dialect, INSERT_EVENT).execute_many(conn, moves)
-        routes = [r for a in done for r in a.routes]
-        prepared(conn.dialect, INSERT_ROUTE).execute_many(conn, [r.row() for r in routes])
-        prepared(conn.dialect, usage.upsert("sqlite")).execute_many(conn, usage.rows(routes))
-        return {a.task_id for a in done}, rows
+            insert_event.execute_many(conn, moves)
+            if len(done) == len(acks):  # as nearly always: the rows made beforehand
+                insert_route.execute_many(conn, route_rows)
+                add_usage.execute_many(conn, usage_rows)
+            else:
+                routes = [r for a in done for r in a.routes]
+                insert_route.execute_many(conn, [r.row() for r in routes])
+                add_usage.execute_many(conn, usage.rows(routes))
+            return done, fetched
+
+        done, fetched = self._pin.write(work)
+        return {a.task_id for a in done}, claiming.dicts(fetched)
