@@ -367,7 +367,8 @@ class Prepared:
         self.columns = [c.key for c in columns]
         self._types = [c.type.dialect_impl(dialect) for c in columns]
         self._dialect = dialect
-        self._results: list[Callable[[Any], Any] | None] | None = None  # at the first rows
+        # (column index, processor) of the columns whose values need reading, at the first rows
+        self._results: list[tuple[int, Callable[[Any], Any]]] | None = None
 
     def params(self, values: Mapping[str, Any]) -> Any:
         """The driver's parameters from ``values`` (by bind name; literals filled in)."""
@@ -408,22 +409,24 @@ class Prepared:
         """The cursor's rows as the driver gives them (``read`` or ``dicts`` them later,
         say once a transaction is over)."""
         if self._results is None:  # the driver's column types are known now
-            self._results = [
+            processors = [
                 type_.result_processor(self._dialect, described[1])
                 for type_, described in zip(self._types, cursor.description, strict=True)
             ]
+            self._results = [(i, p) for i, p in enumerate(processors) if p is not None]
         return list(cursor.fetchall())
 
     def read(self, fetched: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """Rows from ``fetch``, each value as SQLAlchemy would read it."""
-        procs = self._results or ()
-        return [
-            tuple(
-                value if process is None else process(value)
-                for process, value in zip(procs, row, strict=True)
-            )
-            for row in fetched
-        ]
+        if not self._results:
+            return fetched
+        out = []
+        for row in fetched:
+            values = list(row)
+            for i, process in self._results:  # only the columns whose type reads values
+                values[i] = process(values[i])
+            out.append(tuple(values))
+        return out
 
     def dicts(self, fetched: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
         """Rows from ``fetch`` as dicts by column, read as SQLAlchemy would."""
