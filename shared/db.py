@@ -491,6 +491,18 @@ def _log_retry(state: tenacity.RetryCallState) -> None:
     )
 
 
+def dialect_insert(dialect: str) -> Any:
+    """The dialect's INSERT, the one with ON CONFLICT (PostgreSQL's module is imported only
+    when a PostgreSQL database asks: a SQLite process never loads it)."""
+    if dialect == "postgresql":
+        from sqlalchemy.dialects import postgresql
+
+        return postgresql.insert
+    from sqlalchemy.dialects import sqlite
+
+    return sqlite.insert
+
+
 def pool_size_for(threads: int) -> int:
     """Connections kept for ``threads`` running tasks: a task holds one only while it
     reads or writes (not during its model call), so past 16 they share."""

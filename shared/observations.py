@@ -19,10 +19,9 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from agentbus.db import Database
+from agentbus.db import Database, dialect_insert
 from agentbus.schema import bus_observations as obs
 
 BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -96,7 +95,7 @@ def add(conn: Connection, rows: list[dict[str, Any]]) -> None:
     """Add ``rows`` (from ``Observations.take``) to the shared table."""
     if not rows:
         return
-    insert = (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(obs)
+    insert = dialect_insert(conn.dialect.name)(obs)
     statement = insert.on_conflict_do_update(
         index_elements=[obs.c.name, obs.c.labels, obs.c.le],
         set_={"value": obs.c.value + insert.excluded.value},

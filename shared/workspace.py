@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
+from agentbus.db import dialect_insert
 from agentbus.schema import workspace_settings as ws
 
 
@@ -32,7 +32,7 @@ def read(conn: Connection, names: Iterable[str]) -> dict[str, Setting]:
 
 def write(conn: Connection, values: Mapping[str, Any], now: float, by: str | None) -> None:
     """Set each name to its value (in the caller's transaction)."""
-    insert = (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(ws)
+    insert = dialect_insert(conn.dialect.name)(ws)
     upsert = insert.on_conflict_do_update(
         index_elements=[ws.c.name],
         set_={

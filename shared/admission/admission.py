@@ -27,7 +27,6 @@ from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 import tenacity
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from agentbus import masking
@@ -52,7 +51,7 @@ from agentbus.admission.limits import Limits
 from agentbus.admission.routing import Candidate, Resolution, fingerprint, resolve
 from agentbus.catalog import Catalog
 from agentbus.config import Config, LiveConfig, Settings
-from agentbus.db import Database, prepared
+from agentbus.db import Database, dialect_insert, prepared
 from agentbus.logging import get_logger
 from agentbus.providers.outcomes import AuthFailed, Outcome, RateLimited, Succeeded, TimedOut, Usage
 from agentbus.schema import account_state, call_slots
@@ -415,9 +414,7 @@ class Admission:
             return
         print_ = fingerprint(provider, account, self.environ)
         now = self.clock()
-        insert = (postgresql.insert if self.db.dialect == "postgresql" else sqlite.insert)(
-            account_state
-        )
+        insert = dialect_insert(self.db.dialect)(account_state)
         stmt = insert.on_conflict_do_update(
             index_elements=[account_state.c.provider, account_state.c.account],
             set_={

@@ -36,13 +36,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from agentbus.admission import journal
 from agentbus.admission.budget_setting import BudgetSetting, read_setting
 from agentbus.config import Settings, check_budget_mode
-from agentbus.db import Database
+from agentbus.db import Database, dialect_insert
 from agentbus.logging import get_logger
 from agentbus.schema import budget_slots as slots
 from agentbus.schema import budget_state as state
@@ -339,18 +338,21 @@ class WorkspaceBudget(_Budget):
 @functools.cache
 def _hold(dialect: str) -> sa.Insert:
     """Hold a name (or renew this holder's lease on it)."""
-    insert = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(slots)
-    return insert.on_conflict_do_update(
+    insert = dialect_insert(dialect)(slots)
+    held: sa.Insert = insert.on_conflict_do_update(
         index_elements=[slots.c.name, slots.c.holder],
         set_={"lease_until": insert.excluded.lease_until},
     )
+    return held
 
 
 @functools.cache
 def _init_state(dialect: str) -> sa.Insert:
     """Create the one state row if it is not there yet."""
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    return insert(state).on_conflict_do_nothing(index_elements=[state.c.id])
+    created: sa.Insert = dialect_insert(dialect)(state).on_conflict_do_nothing(
+        index_elements=[state.c.id]
+    )
+    return created
 
 
 class SessionBudget(_Budget):

@@ -16,11 +16,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from agentbus.admission import journal
-from agentbus.db import Database
+from agentbus.db import Database, dialect_insert
 from agentbus.logging import get_logger
 from agentbus.schema import cooldown_history
 from agentbus.schema import model_cooldown as mc
@@ -48,8 +47,8 @@ class CooldownStore:
         self.ttl = cache_sec
         self._cache: dict[str, float] = {}
         self._read_at: float | None = None
-        dialect_insert = postgresql.insert if db.dialect == "postgresql" else sqlite.insert
-        stmt = dialect_insert(mc)
+        upsert = dialect_insert(db.dialect)
+        stmt = upsert(mc)
         longer = stmt.excluded.cooldown_until > mc.c.cooldown_until
         self._upsert = stmt.on_conflict_do_update(
             index_elements=[mc.c.model_id],

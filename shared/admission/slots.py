@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
 from agentbus.admission.circuit import COUNT_SUCCESS, END_RUN
@@ -24,7 +23,7 @@ from agentbus.schema import call_slots, circuit_calls
 LOCK_CLASS = 0x61646D69
 # One round trip for all of them, taken in the array's order (a function scan's).
 _KEYS = (
-    sa.func.unnest(sa.bindparam("p_keys", type_=postgresql.ARRAY(sa.Text)))
+    sa.func.unnest(sa.bindparam("p_keys", type_=sa.ARRAY(sa.Text)))
     .table_valued("k", with_ordinality="i")
     .render_derived(name="u")
 )

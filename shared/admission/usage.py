@@ -11,10 +11,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from agentbus.admission.gates import day_of
+from agentbus.db import dialect_insert
 from agentbus.schema import usage_daily as u
 
 if TYPE_CHECKING:
@@ -61,14 +61,14 @@ def rows(routes: Iterable[Route]) -> list[dict[str, Any]]:
 @functools.cache
 def upsert(dialect: str) -> sa.Insert:
     """Add to a ledger row, creating it (built once: it runs with every settle)."""
-    insert = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(u)
+    insert = dialect_insert(dialect)(u)
     return _adding(insert)
 
 
 def upsert_from(select: sa.Select[Any]) -> sa.Insert:
     """PostgreSQL: add the rows ``select`` yields (the ledger's columns in order, one
     row per key) to the ledger."""
-    return _adding(postgresql.insert(u).from_select([c.name for c in u.c], select))
+    return _adding(dialect_insert("postgresql")(u).from_select([c.name for c in u.c], select))
 
 
 def _adding(insert: Any) -> sa.Insert:

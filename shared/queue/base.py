@@ -8,10 +8,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from agentbus.db import Database, Pinned
+from agentbus.db import Database, Pinned, dialect_insert
 from agentbus.errors import TransitionRejected
 from agentbus.queue import events, wakeups
 from agentbus.queue.statements import MOVE_MANY
@@ -42,13 +41,11 @@ class QueueBase:
         self.clock = clock or db.clock  # the fleet's (see agentbus.clock)
         self.max_attempts = max_attempts
         self.payload_limits = payload_limits
-        dialect_insert = postgresql.insert if db.dialect == "postgresql" else sqlite.insert
+        upsert = dialect_insert(db.dialect)
         self._insert_keyed = (
-            dialect_insert(t).on_conflict_do_nothing(index_elements=["idempotency_key"])
+            upsert(t).on_conflict_do_nothing(index_elements=["idempotency_key"])
         ).returning(t.c.id)
-        self._insert_key = dialect_insert(idempotency_keys).on_conflict_do_nothing(
-            index_elements=["key"]
-        )
+        self._insert_key = upsert(idempotency_keys).on_conflict_do_nothing(index_elements=["key"])
 
     @functools.cached_property
     def _pin(self) -> Pinned:

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.dml import Update
 
 from agentbus.queue.decisions import Complete, Crash, Decision, Fail, Pause, Release, Requeue
@@ -39,7 +38,7 @@ P_AGENT = _p("p_agent")
 P_WORKER = _p("p_worker")
 
 #: JSON text into a JSON column (SQLite keeps JSON as text).
-_JSON_TEXT = sa.Text().with_variant(postgresql.JSON(), "postgresql")
+_JSON_TEXT = sa.Text().with_variant(sa.JSON(), "postgresql")
 
 _CLAIMED_CHANGES: dict[str, Mapping[str, Any]] = {
     "complete": {
@@ -229,11 +228,11 @@ def _complete_many_postgres() -> Update:
     """
     batch = (
         sa.func.unnest(
-            sa.bindparam("p_ids", type_=postgresql.ARRAY(sa.BigInteger)),
-            sa.bindparam("p_tokens", type_=postgresql.ARRAY(sa.BigInteger)),
-            sa.bindparam("p_results", type_=postgresql.ARRAY(sa.Text)),
-            sa.bindparam("p_notes", type_=postgresql.ARRAY(sa.Text)),
-            sa.bindparam("p_details", type_=postgresql.ARRAY(sa.Text)),
+            sa.bindparam("p_ids", type_=sa.ARRAY(sa.BigInteger)),
+            sa.bindparam("p_tokens", type_=sa.ARRAY(sa.BigInteger)),
+            sa.bindparam("p_results", type_=sa.ARRAY(sa.Text)),
+            sa.bindparam("p_notes", type_=sa.ARRAY(sa.Text)),
+            sa.bindparam("p_details", type_=sa.ARRAY(sa.Text)),
         )
         .table_valued("v_id", "v_token", "v_result", "v_note", "v_detail")
         .render_derived(name="batch")
@@ -242,7 +241,7 @@ def _complete_many_postgres() -> Update:
         **_CLAIMED_CHANGES["complete"],
         "result": batch.c.v_result,
         "result_note": batch.c.v_note,
-        "result_detail": sa.cast(batch.c.v_detail, postgresql.JSON),
+        "result_detail": sa.cast(batch.c.v_detail, sa.JSON),
     }
     return (
         sa.update(t)
@@ -363,7 +362,7 @@ def _enqueue_postgres(*, single: bool) -> sa.Select[Any]:
         ).subquery("given")
     else:  # one JSON document for the batch: one encoding, not an array per column
         given = (
-            sa.func.json_to_recordset(sa.bindparam("p_rows", type_=postgresql.JSON))
+            sa.func.json_to_recordset(sa.bindparam("p_rows", type_=sa.JSON))
             .table_valued(
                 sa.column("n", sa.Integer), *(sa.column(n, e) for n, e in ENQUEUE_ARRAYS.items())
             )

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
 from agentbus.admission import usage
@@ -49,9 +48,11 @@ QUEUED, CLAIMED = TaskStatus.QUEUED.value, TaskStatus.CLAIMED.value
 def _recordset(name: str, table: sa.Table, extra: Sequence[sa.ColumnClause[Any]] = ()) -> Any:
     """``jsonb_to_recordset(:p_<name>) AS <name>(column type, …)``: the rows of ``table``
     (without its key) passed as one JSON array."""
+    from sqlalchemy.dialects.postgresql import JSONB  # a PostgreSQL statement: made there
+
     columns = [sa.column(c.name, c.type) for c in table.c if c.name != "id"]
     return (
-        sa.func.jsonb_to_recordset(sa.bindparam(f"p_{name}", type_=postgresql.JSONB))
+        sa.func.jsonb_to_recordset(sa.bindparam(f"p_{name}", type_=JSONB))
         .table_valued(*columns, *extra)
         .render_derived(name=name, with_types=True)
     )

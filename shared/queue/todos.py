@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
+from agentbus.db import dialect_insert
 from agentbus.schema import ops_todos
 
 
@@ -19,7 +19,7 @@ def add(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
     """Insert todos (kind, task_id, agent, why, created_at); existing ones stay as they are."""
     if not rows:
         return
-    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    insert = dialect_insert(conn.dialect.name)
     conn.execute(
         insert(ops_todos).on_conflict_do_nothing(index_elements=["kind", "task_id"]), list(rows)
     )
