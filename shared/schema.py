@@ -114,9 +114,7 @@ sa.Index(
     sqlite_where=sa.text("status = 'paused'"),
 )
 sa.Index(
-    "ix_bus_commands_lease",
-    bus_commands.c.lease_until,
-    sqlite_where=sa.text("status = 'claimed'"),
+    "ix_bus_commands_lease", bus_commands.c.lease_until, sqlite_where=sa.text("status = 'claimed'")
 )
 
 task_events = sa.Table(
@@ -277,9 +275,7 @@ sa.Index(
 )
 sa.Index("ix_call_slots_agent", call_slots.c.agent, call_slots.c.admitted_at)
 sa.Index(
-    "ix_call_slots_open",
-    call_slots.c.lease_until,
-    sqlite_where=sa.text("released_at IS NULL"),
+    "ix_call_slots_open", call_slots.c.lease_until, sqlite_where=sa.text("released_at IS NULL")
 )
 
 #: The circuit of each provider (by its stable name); ``endpoint`` changing
