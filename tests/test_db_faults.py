@@ -48,20 +48,32 @@ def test_eight_processes_hammering_one_sqlite_file(backends: Backends) -> None:
     backends.drop(handle)
 
 
-def _run_and_disrupt(url: str, spawn: Spawn, disrupt: Callable[[], None], tasks: int = 120) -> None:
+def _run_and_disrupt(
+    url: str, spawn: Spawn, disrupt: Callable[[], None], held: Path, tasks: int = 120
+) -> None:
+    """Ten tasks run freely; the rest wait on the file ``held`` until the disruption is
+    over, so both workers are in the middle of a call (and then settle) across it."""
     db = Database(url)
     queue = TaskQueue(db)
-    script = {"simulate": {"sim/a": {"latency_ms": 100}}}
+    script = {"simulate": {"sim/a": {"wait_for": str(held)}}}
     ids = queue.enqueue_many(
         [
-            TaskSpec(agent="codex", command=str(i), models=("sim/a",), payload=script)
+            TaskSpec(
+                agent="codex",
+                command=str(i),
+                models=("sim/a",),
+                payload=script if i >= 10 else {},
+                priority=1 if i < 10 else 0,
+            )
             for i in range(tasks)
         ]
     )
     procs = [spawn("worker", "--agent", "codex", "--db", url, env=FAST) for _ in range(2)]
     procs.append(spawn("sweeper", "--db", url, env=FAST))
     wait_until(lambda: sum(n for (s, _), n in reads.counts(db).items() if s == "done") >= 10)
+    wait_until(lambda: held.with_name(held.name + ".waiting").exists())  # a call is held
     disrupt()
+    held.touch()
     wait_until(lambda: all(queue.get(i).status == "done" for i in ids), timeout=180)
     assert [p.popen.poll() for p in procs] == [None, None, None], "a process died"
     for proc in procs:
@@ -73,7 +85,9 @@ def _run_and_disrupt(url: str, spawn: Spawn, disrupt: Callable[[], None], tasks:
     db.dispose()
 
 
-def test_postgres_connections_terminated_mid_run(backends: Backends, spawn: Spawn) -> None:
+def test_postgres_connections_terminated_mid_run(
+    backends: Backends, spawn: Spawn, tmp_path: Path
+) -> None:
     url, name = backends.new("postgresql")
     admin = Database(url.rsplit("/", 1)[0] + "/postgres")
 
@@ -92,7 +106,7 @@ def test_postgres_connections_terminated_mid_run(backends: Backends, spawn: Spaw
         assert kill_backends() > 0
         wait_until(kill_backends)  # and again, once they have reconnected
 
-    _run_and_disrupt(url, spawn, terminate_all)
+    _run_and_disrupt(url, spawn, terminate_all, tmp_path / "release")
     admin.dispose()
     backends.drop(name)
 
@@ -151,7 +165,7 @@ def throwaway_postgres() -> Iterator[tuple[str, Callable[[], None]]]:
 
 
 def test_postgres_restart_mid_run(
-    throwaway_postgres: tuple[str, Callable[[], None]], spawn: Spawn
+    throwaway_postgres: tuple[str, Callable[[], None]], spawn: Spawn, tmp_path: Path
 ) -> None:
     url, restart = throwaway_postgres
-    _run_and_disrupt(url, spawn, restart)
+    _run_and_disrupt(url, spawn, restart, tmp_path / "release")
