@@ -12,7 +12,6 @@ lost, serialization failure, server restarting).
 from __future__ import annotations
 
 import contextlib
-import copy
 import fcntl
 import importlib.util
 import os
@@ -20,8 +19,7 @@ import sqlite3
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,6 +31,7 @@ from sqlalchemy.engine import URL, Connection, Engine
 from agentbus.clock import clock_for
 from agentbus.errors import BusError, DatabaseUnavailable, NotMigrated
 from agentbus.logging import get_logger
+from agentbus.prepared import Prepared, prepared
 
 T = TypeVar("T")
 log = get_logger("agentbus.db")
@@ -328,151 +327,6 @@ class _WriterTurns:
             pass
         finally:
             self._lock.release()
-
-
-class Prepared:
-    """A statement compiled once for one dialect and run on the driver's own cursor.
-
-    For the few statements a worker runs for every task: SQLAlchemy's work per
-    execution (cache key, parameter processing, result set-up) costs more than
-    the database's. The statement stays an SQLAlchemy expression, written once;
-    only its compilation and its types' processors are looked up ahead. Run it
-    inside a transaction of the same engine (``Database.write``).
-
-    On PostgreSQL the statement is compiled with ``$n`` placeholders and run on
-    psycopg's ``RawCursor`` as a server-side prepared statement: neither psycopg
-    (which caches the parsing of short queries only) nor the server parses or
-    plans it again.
-    """
-
-    def __init__(self, statement: Any, dialect: sa.Dialect) -> None:
-        self._server_side = dialect.name == "postgresql"
-        if self._server_side:
-            dialect = copy.copy(dialect)  # the engine's own, with psycopg's native placeholders
-            dialect.paramstyle, dialect.positional = "numeric_dollar", True
-        compiled = statement.compile(dialect=dialect)
-        self.sql = compiled.string
-        if "POSTCOMPILE" in self.sql:
-            raise ValueError("a statement with expanding parameters cannot be prepared")
-        binds = {compiled.bind_names[b]: b for b in compiled.binds.values()}
-        self._defaults = {name: b.effective_value for name, b in binds.items() if not b.required}
-        types = {name: b.type for name, b in binds.items()}
-        names = compiled.positiontup if compiled.positional else list(binds)
-        self._positional = bool(compiled.positional)
-        self._names = list(names or ())
-        self._binds = [(name, _processor(types[name], dialect)) for name in self._names]
-        columns = getattr(statement, "selected_columns", None)
-        if columns is None:
-            columns = statement.exported_columns
-        self.columns = [c.key for c in columns]
-        self._types = [c.type.dialect_impl(dialect) for c in columns]
-        self._dialect = dialect
-        # (column index, processor) of the columns whose values need reading, at the first rows
-        self._results: list[tuple[int, Callable[[Any], Any]]] | None = None
-
-    def params(self, values: Mapping[str, Any]) -> Any:
-        """The driver's parameters from ``values`` (by bind name; literals filled in)."""
-        out = []
-        for name, process in self._binds:
-            value = values[name] if name in values else self._defaults[name]
-            out.append(value if process is None else process(value))
-        return out if self._positional else dict(zip(self._names, out, strict=True))
-
-    def execute(self, conn: Connection, values: Mapping[str, Any]) -> Any:
-        """Run once; returns the driver's cursor."""
-        params = self.params(values)
-        with _as_sqlalchemy_errors(conn, self.sql, params):
-            if not self._server_side:
-                cursor = conn.connection.cursor()
-                cursor.execute(self.sql, params)
-                return cursor
-            return _raw_cursor(conn).execute(self.sql, params, prepare=True)
-
-    def execute_many(self, conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
-        params = [self.params(row) for row in rows]
-        if params and self._server_side:
-            with _as_sqlalchemy_errors(conn, self.sql, params):
-                _raw_cursor(conn).executemany(self.sql, params)
-        elif params:
-            with _as_sqlalchemy_errors(conn, self.sql, params):
-                conn.connection.cursor().executemany(self.sql, params)
-
-    def rows(self, cursor: Any) -> list[dict[str, Any]]:
-        """The cursor's rows as dicts by column, each value as SQLAlchemy would read it."""
-        return self.dicts(self.fetch(cursor))
-
-    def tuples(self, cursor: Any) -> list[tuple[Any, ...]]:
-        """The cursor's rows, each value as SQLAlchemy would read it."""
-        return self.read(self.fetch(cursor))
-
-    def fetch(self, cursor: Any) -> list[tuple[Any, ...]]:
-        """The cursor's rows as the driver gives them (``read`` or ``dicts`` them later,
-        say once a transaction is over)."""
-        if self._results is None:  # the driver's column types are known now
-            processors = [
-                type_.result_processor(self._dialect, described[1])
-                for type_, described in zip(self._types, cursor.description, strict=True)
-            ]
-            self._results = [(i, p) for i, p in enumerate(processors) if p is not None]
-        return list(cursor.fetchall())
-
-    def read(self, fetched: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """Rows from ``fetch``, each value as SQLAlchemy would read it."""
-        if not self._results:
-            return fetched
-        out = []
-        for row in fetched:
-            values = list(row)
-            for i, process in self._results:  # only the columns whose type reads values
-                values[i] = process(values[i])
-            out.append(tuple(values))
-        return out
-
-    def dicts(self, fetched: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
-        """Rows from ``fetch`` as dicts by column, read as SQLAlchemy would."""
-        return [dict(zip(self.columns, row, strict=True)) for row in self.read(fetched)]
-
-
-def _raw_cursor(conn: Connection) -> Any:
-    """psycopg's cursor for ``$n`` placeholders, on the connection ``conn`` holds."""
-    import psycopg  # only ever here for a postgresql:// URL
-
-    return psycopg.RawCursor(conn.connection.driver_connection)  # type: ignore[arg-type]
-
-
-@contextmanager
-def _as_sqlalchemy_errors(conn: Connection, sql: str, params: Any) -> Iterator[None]:
-    """A driver error raised as SQLAlchemy raises it (``DBAPIError``: what ``is_transient``
-    and the callers know), invalidating the connection when it was lost."""
-    dbapi = conn.dialect.loaded_dbapi
-    try:
-        yield
-    except dbapi.Error as exc:
-        lost = conn.dialect.is_disconnect(exc, conn.connection.dbapi_connection, None)
-        if lost:
-            conn.invalidate(exc)
-        raise sa.exc.DBAPIError.instance(
-            sql, params, exc, dbapi.Error, connection_invalidated=lost, dialect=conn.dialect
-        ) from exc
-
-
-_PREPARED: weakref.WeakKeyDictionary[sa.Dialect, dict[int, tuple[Any, Prepared]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def prepared(dialect: sa.Dialect, statement: Any) -> Prepared:
-    """``statement`` compiled for ``dialect`` (an engine's: ``conn.dialect``), once."""
-    known = _PREPARED.setdefault(dialect, {})
-    found = known.get(id(statement))
-    if found is None or found[0] is not statement:
-        found = known[id(statement)] = (statement, Prepared(statement, dialect))
-    return found[1]
-
-
-def _processor(type_: Any, dialect: sa.Dialect) -> Callable[[Any], Any] | None:
-    processor: Callable[[Any], Any] | None = type_.dialect_impl(dialect).bind_processor(dialect)
-    return processor
 
 
 def first_line(exc: BaseException | None) -> str:

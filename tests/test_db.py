@@ -11,8 +11,9 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from agentbus.db import Database, Prepared, is_transient, migrate, parse_url, redact
+from agentbus.db import Database, is_transient, migrate, parse_url, redact
 from agentbus.errors import BusError
+from agentbus.prepared import Prepared
 from agentbus.queue import TaskQueue
 from agentbus.queue.tasks import TaskSpec
 from tests.conftest import PG_URL, Backends

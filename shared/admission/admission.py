@@ -51,8 +51,9 @@ from agentbus.admission.limits import Limits
 from agentbus.admission.routing import Candidate, Resolution, fingerprint, resolve
 from agentbus.catalog import Catalog
 from agentbus.config import Config, LiveConfig, Settings
-from agentbus.db import Database, dialect_insert, prepared
+from agentbus.db import Database, dialect_insert
 from agentbus.logging import get_logger
+from agentbus.prepared import prepared
 from agentbus.providers.outcomes import AuthFailed, Outcome, RateLimited, Succeeded, TimedOut, Usage
 from agentbus.schema import account_state, call_slots
 

@@ -3,7 +3,7 @@
 A limited call holds a row of ``call_slots`` from its admission to its release
 (``agentbus.admission.admission`` is the only code that runs these). Each
 statement is built once, its values bind parameters, and runs compiled
-(``agentbus.db.prepared``).
+(``agentbus.prepared.prepared``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.admission.circuit import COUNT_SUCCESS, END_RUN
-from agentbus.db import prepared
+from agentbus.prepared import prepared
 from agentbus.schema import call_slots, circuit_calls
 
 #: PostgreSQL: an admission holds a transaction lock on each gate it counts (the
