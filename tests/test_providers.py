@@ -14,8 +14,9 @@ from agentbus.catalog import AccountConfig, ProviderConfig, parse_catalog
 from agentbus.errors import InvalidTask
 from agentbus.providers import CallRequest
 from agentbus.providers.command import CommandProvider
-from agentbus.providers.openai import OpenAIProvider, retry_after
+from agentbus.providers.openai import OpenAIProvider
 from agentbus.providers.outcomes import AuthFailed, Failed, RateLimited, Succeeded, TimedOut, Usage
+from agentbus.providers.ratelimits import retry_after
 from agentbus.providers.simulated import SimulatedProvider
 
 KEY = "sk-test-5ecret-do-not-log"

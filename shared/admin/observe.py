@@ -104,4 +104,4 @@ def last_hour(conn: Connection, now: float) -> dict[str, list[int]]:
 
 def unserved(queue: dict[str, dict[str, int]], live: dict[str, int]) -> list[str]:
     """Agents with queued tasks and no live worker: the first thing to fix."""
-    return sorted(a for a, by in queue.items() if by.get("queued") and not live.get(a))
+    return sorted(a for a, by in queue.items() if by.get(TaskStatus.QUEUED) and not live.get(a))

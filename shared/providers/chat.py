@@ -20,8 +20,6 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-#: Payload keys this module reads.
-KEYS = ("system", "messages", "params")
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_MESSAGES = 10_000
 #: Parameters agentbus itself sets: a task cannot override them.

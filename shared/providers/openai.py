@@ -11,9 +11,6 @@ from typing import Any
 from agentbus.providers import CallRequest, chat
 from agentbus.providers.http import HTTPProvider, tool_call
 from agentbus.providers.outcomes import Succeeded, Usage
-from agentbus.providers.ratelimits import retry_after
-
-__all__ = ["OpenAIProvider", "retry_after"]
 
 
 class OpenAIProvider(HTTPProvider):
