@@ -112,7 +112,6 @@ class Database:
             )
         else:
             self.engine = sa.create_engine(self.url, pool_size=pool_size, max_overflow=pool_size)
-        self._pins: weakref.WeakSet[Pinned] = weakref.WeakSet()
         path = self.sqlite_path()
         self._writers: contextlib.AbstractContextManager[None] = (
             _WriterTurns(path) if path is not None else contextlib.nullcontext()
@@ -123,6 +122,9 @@ class Database:
             self._read_engine = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         else:
             self._read_engine = self.engine.execution_options(agentbus_read_only=True)
+        #: The one connection kept out of the pool for the hot writes (a worker's
+        #: settle-and-claim, enqueues): taken at its first use, closed by ``dispose``.
+        self.pinned = Pinned(self)
 
     @classmethod
     def from_settings(cls, settings: Any, *, threads: int = 1) -> Database:
@@ -148,13 +150,6 @@ class Database:
         # turn: the turn lasts from BEGIN IMMEDIATE to COMMIT only.
         with self.engine.connect() as conn, self._writers, conn.begin():
             return work(conn)
-
-    def pinned(self) -> Pinned:
-        """A connection kept out of the pool for a caller that writes many times a second
-        (closed by ``dispose``)."""
-        pin = Pinned(self)
-        self._pins.add(pin)
-        return pin
 
     def prepared(self, statement: Any) -> Prepared:
         """``statement`` compiled for this database, once (see ``Prepared``)."""
@@ -239,8 +234,7 @@ class Database:
         return Path(self.url.database)
 
     def dispose(self) -> None:
-        for pin in list(self._pins):
-            pin.close()
+        self.pinned.close()
         self.engine.dispose()
 
 
@@ -257,7 +251,9 @@ class Pinned:
     def __init__(self, db: Database) -> None:
         self.db = db
         self._lock = threading.Lock()
-        self._conn: Connection | None = None
+        self._held: list[Connection] = []  # the connection, once taken
+        # Dropped without ``close`` (a Database never disposed): the connection goes back.
+        weakref.finalize(self, _close_all, self._held)
 
     def write(self, work: Callable[[Connection], T]) -> T:
         return self._run(work, autocommit=False)
@@ -274,10 +270,10 @@ class Pinned:
             self._lock.release()
 
     def _once(self, work: Callable[[Connection], T], autocommit: bool) -> T:
-        if self._conn is None:
+        if not self._held:
             engine = self.db._read_engine if autocommit else self.db.engine
-            self._conn = engine.connect()
-        conn = self._conn
+            self._held.append(engine.connect())
+        conn = self._held[0]
         try:
             with contextlib.nullcontext() if autocommit else self.db._writers, conn.begin():
                 return work(conn)
@@ -286,10 +282,13 @@ class Pinned:
             raise
 
     def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
+        _close_all(self._held)
+
+
+def _close_all(held: list[Connection]) -> None:
+    while held:
+        with contextlib.suppress(Exception):
+            held.pop().close()
 
 
 class _WriterTurns:

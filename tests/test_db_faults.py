@@ -70,6 +70,8 @@ def _run_and_disrupt(
     )
     procs = [spawn("worker", "--agent", "codex", "--db", url, env=FAST) for _ in range(2)]
     procs.append(spawn("sweeper", "--db", url, env=FAST))
+    started = ("worker_started", "worker_started", "sweeper_started")
+    wait_until(lambda: all(line in p.text() for p, line in zip(procs, started, strict=True)))
     wait_until(lambda: sum(n for (s, _), n in reads.counts(db).items() if s == "done") >= 10)
     wait_until(lambda: held.with_name(held.name + ".waiting").exists())  # a call is held
     disrupt()

@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from agentbus.db import Database, Pinned, dialect_insert
+from agentbus.db import Database, dialect_insert
 from agentbus.errors import TransitionRejected
 from agentbus.queue import events, wakeups
 from agentbus.queue.statements import MOVE_MANY
@@ -46,11 +46,6 @@ class QueueBase:
             upsert(t).on_conflict_do_nothing(index_elements=["idempotency_key"])
         ).returning(t.c.id)
         self._insert_key = upsert(idempotency_keys).on_conflict_do_nothing(index_elements=["key"])
-
-    @functools.cached_property
-    def _pin(self) -> Pinned:
-        """The connection enqueues go through, kept out of the pool (made at the first)."""
-        return self.db.pinned()
 
     @functools.cached_property
     def _steady(self) -> SteadyState:

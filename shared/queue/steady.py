@@ -138,7 +138,6 @@ class SteadyState:
     def __init__(self, db: Database) -> None:
         self.db = db
         self.postgres = db.dialect == "postgresql"
-        self._pin = db.pinned()  # one transaction per claim: no pool round per claim
 
     def run(
         self,
@@ -161,7 +160,7 @@ class SteadyState:
             "p_limit": max(limit, 0),
         }
         if self.postgres:
-            return self._pin.write_one(lambda conn: self._postgres(conn, acks, claim))
+            return self.db.pinned.write_one(lambda conn: self._postgres(conn, acks, claim))
         return self._sqlite(acks, claim)
 
     def _postgres(
@@ -243,5 +242,5 @@ class SteadyState:
                 add_usage.execute_many(conn, usage.rows(routes))
             return done, fetched
 
-        done, fetched = self._pin.write(work)
+        done, fetched = self.db.pinned.write(work)
         return {a.task_id for a in done}, claiming.dicts(fetched)

@@ -126,7 +126,7 @@ class TaskQueue(SweepOps, SteeringOps):
             def one_statement(conn: Connection) -> list[int]:
                 return [int(row[0]) for row in statement.execute(conn, params).fetchall()]
 
-            return self._pin.write_one(one_statement)
+            return self.db.pinned.write_one(one_statement)
         insert, event = self.db.prepared(ENQUEUE_ONE), self.db.prepared(INSERT_EVENT)
 
         def work(conn: Connection) -> list[int]:
@@ -139,7 +139,7 @@ class TaskQueue(SweepOps, SteeringOps):
             )
             return ids
 
-        return self._pin.write(work)
+        return self.db.pinned.write(work)
 
     def _row(self, spec: TaskSpec, now: float) -> dict[str, Any]:
         check_payload(spec, self.payload_limits)
