@@ -22,16 +22,18 @@ import weakref
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
-import tenacity
 from sqlalchemy.engine import URL, Connection, Engine
 
 from agentbus.clock import clock_for
 from agentbus.errors import BusError, DatabaseUnavailable, NotMigrated
 from agentbus.logging import get_logger
 from agentbus.prepared import Prepared, prepared
+
+if TYPE_CHECKING:
+    import tenacity
 
 T = TypeVar("T")
 log = get_logger("agentbus.db")
@@ -179,6 +181,8 @@ class Database:
             if not is_transient(exc):
                 raise
             _log_first_failure(exc)
+        import tenacity  # only once a transient error happened
+
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(is_transient),
             stop=tenacity.stop_after_delay(self.retry_for),

@@ -3,7 +3,6 @@ one ``ConfigError`` line."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,11 @@ def read_toml(path: Path, max_bytes: int = DEFAULT_CONFIG_MAX_BYTES) -> dict[str
     """Parse a TOML config file, turning every problem into one ConfigError line.
 
     Only a regular file is read, and no more of it than ``max_bytes`` (a device
-    such as /dev/zero, or a huge file, is refused before it costs memory).
+    such as /dev/zero, or a huge file, is refused before it costs memory). The
+    parser is imported here: a process without a config file never loads it.
     """
+    import tomllib
+
     try:
         if not path.is_file():
             if not path.exists():

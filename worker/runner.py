@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import tenacity
-
 from agentbus.admission.admission import Admission
 from agentbus.admission.gates import Code, Refusal
 from agentbus.admission.routing import Candidate, Route
@@ -289,6 +287,8 @@ class Runner:
         # A retryable error: a few more tries in the call, waiting 1x, 2x, 4x … the base.
         wait = self.settings.call_retry_wait_sec
         time.sleep(wait)
+        import tenacity  # only after a retryable failure
+
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_result(
                 lambda o: isinstance(o, outcomes.Failed) and o.retryable

@@ -26,7 +26,6 @@ from types import TracebackType
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
-import tenacity
 from sqlalchemy.engine import Connection
 
 from agentbus import masking
@@ -213,6 +212,8 @@ class Admission:
         if not _slot_refusal(answer) or wait <= 0:
             assert isinstance(answer, (Permit, Refusal))  # only a peek answers otherwise
             return answer
+        import tenacity  # only when a slot is to be waited for
+
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_result(_slot_refusal),
             stop=tenacity.stop_after_delay(wait),
