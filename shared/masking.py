@@ -31,6 +31,12 @@ _TRIGGERS = ("sk-", "xox", "gh", "glpat-", "akia", "aiza", "bearer", "api")
 _known: set[str] = set()
 _ordered: list[str] = []
 
+#: Short texts already seen to need no masking (log fields, model ids, reasons repeat
+#: for every task): answered by one set lookup. Emptied when a secret is registered.
+_clean: set[str] = set()
+_CLEAN_MAX_LENGTH = 200
+_CLEAN_MAX_ENTRIES = 4096
+
 
 def register(values: Iterable[str | None]) -> None:
     """Remember secret values (ignoring empty and very short ones)."""
@@ -38,6 +44,7 @@ def register(values: Iterable[str | None]) -> None:
         if value and len(value) >= MIN_LENGTH and value not in _known:
             _known.add(value)
     _ordered[:] = sorted(_known, key=len, reverse=True)  # a key inside another: longest first
+    _clean.clear()
 
 
 def register_config(catalog: Any, environ: Mapping[str, str], database_url: str | None) -> None:
@@ -56,15 +63,20 @@ def register_config(catalog: Any, environ: Mapping[str, str], database_url: str 
 
 def mask(text: str) -> str:
     """``text`` with every registered secret and every key-shaped string masked."""
-    if not text:
+    if not text or text in _clean:
         return text
+    masked = text
     for secret in _ordered:
-        if secret in text:
-            text = text.replace(secret, MASK)
-    lowered = text.lower()
-    if not any(trigger in lowered for trigger in _TRIGGERS):
-        return text
-    return _SHAPES.sub(_shape, text)
+        if secret in masked:
+            masked = masked.replace(secret, MASK)
+    lowered = masked.lower()
+    if any(trigger in lowered for trigger in _TRIGGERS):
+        masked = _SHAPES.sub(_shape, masked)
+    if masked == text and len(text) <= _CLEAN_MAX_LENGTH:
+        if len(_clean) >= _CLEAN_MAX_ENTRIES:
+            _clean.clear()
+        _clean.add(text)
+    return masked
 
 
 def mask_value(value: Any) -> Any:

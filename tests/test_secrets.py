@@ -168,3 +168,17 @@ def test_the_mask_function() -> None:
     assert masking.mask_value({"a": ["api_key=ABCDEFGH1234", 3]}) == {"a": ["api_key=***", 3]}
     assert masking.mask("risk-free task-12345678") == "risk-free task-12345678"
     assert os.environ.get("NOT_SET_ANYWHERE") is None
+
+
+def test_a_text_seen_clean_is_masked_once_its_secret_is_registered() -> None:
+    """Short texts that needed no masking are remembered; registering a secret forgets
+    them, so a text seen before the secret was known is masked after."""
+    from agentbus import masking
+
+    text = "worker w-7f3a9c21e4 answered"
+    assert masking.mask(text) == text
+    assert masking.mask(text) == text  # now answered from the remembered clean texts
+    masking.register(["w-7f3a9c21e4"])
+    assert masking.mask(text) == "worker *** answered"
+    long_text = "x" * 5000 + " w-7f3a9c21e4"
+    assert masking.mask(long_text) == "x" * 5000 + " ***"

@@ -37,6 +37,7 @@ problem is one ConfigError naming where it is (``agentbus.catalog.parse``).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -145,7 +146,7 @@ class Catalog:
         if found is not None:
             return found
         if model_id.startswith(SIMULATED_PREFIX):
-            return ModelConfig(model_id, SIM_PROVIDER, model_id)
+            return _simulated_model(model_id)
         raise ConfigError(f"unknown model {model_id!r} (not sim/… and not in [models])")
 
     def provider(self, name: str) -> ProviderConfig:
@@ -167,3 +168,9 @@ class Catalog:
             chain.append((config, origin))
             origin, current = current, config.fallback
         return chain
+
+
+@functools.lru_cache(maxsize=256)
+def _simulated_model(model_id: str) -> ModelConfig:
+    """An unlisted ``sim/`` model's config (a frozen value: made once per name)."""
+    return ModelConfig(model_id, SIM_PROVIDER, model_id)

@@ -58,7 +58,9 @@ _KEYS = {
 
 def script_for(payload: Mapping[str, Any], model: str) -> dict[str, Any]:
     """The behaviour object for ``model`` from a task payload (validated)."""
-    table = payload.get("simulate", {})
+    if "simulate" not in payload:  # no script: the model answers ok
+        return {"behaviour": "ok"}
+    table = payload["simulate"]
     if not isinstance(table, dict):
         raise InvalidTask("payload.simulate must be an object mapping model ids to behaviours")
     raw = table.get(model, "ok")
