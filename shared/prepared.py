@@ -51,6 +51,11 @@ class Prepared:
         self._positional = bool(compiled.positional)
         self._names = list(names or ())
         self._binds = [(name, _processor(types[name], dialect)) for name in self._names]
+        # Arrays go to psycopg in binary: a text array quotes and escapes each element with
+        # a regular expression (a batch of ten completions: ~4x the client time).
+        self._binary_arrays = self._server_side and any(
+            isinstance(t, sa.ARRAY) for t in types.values()
+        )
         columns = getattr(statement, "selected_columns", None)
         if columns is None:
             columns = statement.exported_columns
@@ -76,13 +81,13 @@ class Prepared:
                 cursor = conn.connection.cursor()
                 cursor.execute(self.sql, params)
                 return cursor
-            return _raw_cursor(conn).execute(self.sql, params, prepare=True)
+            return _raw_cursor(conn, self._binary_arrays).execute(self.sql, params, prepare=True)
 
     def execute_many(self, conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
         params = [self.params(row) for row in rows]
         if params and self._server_side:
             with _as_sqlalchemy_errors(conn, self.sql, params):
-                _raw_cursor(conn).executemany(self.sql, params)
+                _raw_cursor(conn, self._binary_arrays).executemany(self.sql, params)
         elif params:
             with _as_sqlalchemy_errors(conn, self.sql, params):
                 conn.connection.cursor().executemany(self.sql, params)
@@ -123,11 +128,17 @@ class Prepared:
         return [dict(zip(self.columns, row, strict=True)) for row in self.read(fetched)]
 
 
-def _raw_cursor(conn: Connection) -> Any:
-    """psycopg's cursor for ``$n`` placeholders, on the connection ``conn`` holds."""
+def _raw_cursor(conn: Connection, binary_arrays: bool = False) -> Any:
+    """psycopg's cursor for ``$n`` placeholders, on the connection ``conn`` holds (with
+    ``binary_arrays``, sending Python lists as binary arrays)."""
     import psycopg  # only ever here for a postgresql:// URL
 
-    return psycopg.RawCursor(conn.connection.driver_connection)  # type: ignore[arg-type]
+    cursor = psycopg.RawCursor(conn.connection.driver_connection)  # type: ignore[arg-type]
+    if binary_arrays:
+        from psycopg.types.array import ListBinaryDumper
+
+        cursor.adapters.register_dumper(list, ListBinaryDumper)
+    return cursor
 
 
 @contextmanager

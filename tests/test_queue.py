@@ -285,3 +285,40 @@ def test_nul_characters_from_outside_do_not_block_a_settle(queue: TaskQueue) -> 
     queue.fail(second.id, second.claim_token, "error\x00text")
     assert queue.get(first.id).result == "answer\ufffdwith a NUL"
     assert queue.get(second.id).last_error == "error\ufffdtext"
+
+
+def test_a_batch_of_completions_stores_every_text_as_given(queue: TaskQueue) -> None:
+    """Acknowledged together (one statement on PostgreSQL, its texts sent as arrays):
+    quotes, backslashes, braces, commas, NULL-looking words, non-ASCII and missing
+    values arrive unchanged, each in its own task, and a stale claim among them fails
+    alone."""
+    texts = ['say "hi"', "back\\slash", "{braces, commas}", "NULL", "", "héllo ✓", None]
+    models = [None, 'a "model"', None, "NULL", "x,y", "m\\1", "{}"]
+    details = [
+        {"model": "m", "tool_calls": [{"name": "f", "arguments": {"q": 'a "b" \\ c'}}]},
+        None,
+        {"finish_reason": "stop"},
+        None,
+        {"text": "{not, an, array}"},
+        None,
+        {"n": [1, 2]},
+    ]
+    queue.enqueue_many([spec(text=str(i)) for i in range(len(texts) + 1)])
+    *held, stale = queue.claim("codex", "w", 30, limit=len(texts) + 1)
+    items = [
+        Settlement(t.id, t.claim_token, Complete(text, model, detail=detail))
+        for t, text, model, detail in zip(held, texts, models, details, strict=True)
+    ]
+    items.append(Settlement(stale.id, stale.claim_token + 1, Complete("never stored")))
+    lost, _ = queue.settle_and_claim(items, "codex", "w", 30, limit=0)
+    assert [r.task_id for r in lost] == [stale.id]
+    for t, text, model, detail in zip(held, texts, models, details, strict=True):
+        done = queue.get(t.id)
+        note = None if model is None else f"model={model}"
+        assert (done.status, done.result, done.result_note, done.result_detail) == (
+            TaskStatus.DONE,
+            text,
+            note,
+            detail,
+        )
+    assert queue.get(stale.id).status is TaskStatus.CLAIMED
