@@ -18,6 +18,7 @@ import pytest
 
 from agentbus.db import Database, migrate
 from agentbus.queue import TaskQueue, reads
+from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
 from tests.conftest import IN_CI, Backends
 from tests.procs import hammer
@@ -72,11 +73,12 @@ def _run_and_disrupt(
     procs.append(spawn("sweeper", "--db", url, env=FAST))
     started = ("worker_started", "worker_started", "sweeper_started")
     wait_until(lambda: all(line in p.text() for p, line in zip(procs, started, strict=True)))
-    wait_until(lambda: sum(n for (s, _), n in reads.counts(db).items() if s == "done") >= 10)
+    done = TaskStatus.DONE
+    wait_until(lambda: sum(n for (s, _), n in reads.counts(db).items() if s == done) >= 10)
     wait_until(lambda: held.with_name(held.name + ".waiting").exists())  # a call is held
     disrupt()
     held.touch()
-    wait_until(lambda: all(queue.get(i).status == "done" for i in ids), timeout=180)
+    wait_until(lambda: all(queue.get(i).status is TaskStatus.DONE for i in ids), timeout=180)
     assert [p.popen.poll() for p in procs] == [None, None, None], "a process died"
     for proc in procs:
         proc.signal(signal.SIGTERM)
