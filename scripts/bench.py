@@ -329,6 +329,7 @@ def main() -> None:
         "--compare-only", action="store_true", help="only the side-by-side comparison"
     )
     args = parser.parse_args()
+    measure.compile_agentbus()
     configure(level="WARNING")  # the figures, not the jobs' chatter
     if args.compare_only:
         print_table(compare.HEADERS, compare_rows(args))
