@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from agentbus.errors import TaskNotFound, TransitionRejected
+from agentbus.prepared import prepared
 from agentbus.queue import Settlement, TaskQueue, reads
 from agentbus.queue.decisions import Complete
+from agentbus.queue.statements import claim_statement
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
 from tests.support import FakeClock
@@ -322,3 +324,27 @@ def test_a_batch_of_completions_stores_every_text_as_given(queue: TaskQueue) -> 
             detail,
         )
     assert queue.get(stale.id).status is TaskStatus.CLAIMED
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_a_cached_claim_plan_reads_the_queued_tasks_index(queue: TaskQueue) -> None:
+    """PostgreSQL plans a prepared statement once for any values (a generic plan, which
+    it switches to after a few runs): the claim must still find the next task through
+    the partial index of queued tasks, not by reading the whole table."""
+    import psycopg
+
+    queue.enqueue_many([TaskSpec(agent="a", command="t")] * 2000)
+    claim = prepared(queue.db.engine.dialect, claim_statement("postgresql"))
+    values = {"p_agent": "a", "p_worker": "w", "p_now": 1e10, "p_lease_until": 1e10}
+    args = claim.params({**values, "p_limit": 1})
+    with queue.db.engine.connect() as conn:
+        raw = conn.connection.driver_connection
+        assert isinstance(raw, psycopg.Connection)
+        raw.execute("ANALYZE bus_commands")
+        raw.execute("SET plan_cache_mode = force_generic_plan")
+        raw.execute(f"PREPARE generic_claim AS {claim.sql}")
+        marks = ", ".join(["%s"] * len(args))
+        cursor = psycopg.ClientCursor(raw)
+        plan = [row[0] for row in cursor.execute(f"EXPLAIN EXECUTE generic_claim({marks})", args)]
+        conn.rollback()
+    assert any("ix_bus_commands_claim" in line for line in plan), plan

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus import observations
+from agentbus.queue.statements import in_state
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_commands as t
 from agentbus.schema import bus_counters, task_events, usage_daily, workers
@@ -32,7 +33,7 @@ def observe(conn: Connection, now: float, stale_sec: float) -> dict[str, Any]:
     oldest: dict[str, float | None] = dict(
         conn.execute(
             sa.select(t.c.agent, sa.func.min(t.c.created_at))
-            .where(t.c.status == TaskStatus.QUEUED, t.c.run_after <= now)
+            .where(in_state(TaskStatus.QUEUED), t.c.run_after <= now)
             .group_by(t.c.agent)
         ).all()
     )

@@ -15,6 +15,7 @@ from agentbus.admission.cooldowns import CooldownStore
 from agentbus.config import Settings
 from agentbus.db import Database
 from agentbus.queue import reads
+from agentbus.queue.statements import in_state
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_commands as t
 from agentbus.schema import bus_events, route_log, task_events, workers
@@ -76,7 +77,7 @@ def snapshot(
 def _tables(conn: Connection, now: float) -> dict[str, Any]:
     paused = conn.execute(
         sa.select(t.c.id, t.c.agent, t.c.resume_after, t.c.pause_reason, t.c.pause_model)
-        .where(t.c.status == TaskStatus.PAUSED)
+        .where(in_state(TaskStatus.PAUSED))
         .order_by(t.c.resume_after)
         .limit(DUE_SOON)
     ).all()

@@ -105,6 +105,14 @@ _CLAIMED_CHANGES: dict[str, Mapping[str, Any]] = {
 }
 
 
+def in_state(status: TaskStatus) -> sa.ColumnElement[bool]:
+    """``status = '<state>'`` with the state written into the SQL, not bound. PostgreSQL
+    plans a prepared statement once for any values (a generic plan), and can read it
+    through a partial index (of the queued, claimed or paused tasks) only when the
+    statement itself names the state: bound, a claim scanned the whole table."""
+    return t.c.status == sa.literal_column(f"'{TaskStatus(status).value}'", sa.Text)
+
+
 def _source(action: str) -> TaskStatus:
     """The one state an action moves a task from."""
     (source,), _ = TRANSITIONS[action]
@@ -113,7 +121,7 @@ def _source(action: str) -> TaskStatus:
 
 def _claimed_statement(action: str) -> Update:
     (source,), target = TRANSITIONS[action]
-    guard = [t.c.id == P_ID, t.c.status == source.value, t.c.claim_token == P_TOKEN]
+    guard = [t.c.id == P_ID, in_state(source), t.c.claim_token == P_TOKEN]
     if action.startswith("rescue"):
         guard.append(t.c.lease_until < P_NOW)  # a worker that heartbeats keeps its task
     return (
@@ -130,13 +138,13 @@ COMPLETE_ONE_POSTGRES = _claimed_statement("complete").returning(t.c.id)
 
 HEARTBEAT = (
     sa.update(t)
-    .where(t.c.id == P_ID, t.c.status == TaskStatus.CLAIMED, t.c.claim_token == P_TOKEN)
+    .where(t.c.id == P_ID, in_state(TaskStatus.CLAIMED), t.c.claim_token == P_TOKEN)
     .values(lease_until=P_LEASE)
 )
 
 POSTPONE = (
     sa.update(t)
-    .where(t.c.id == P_ID, t.c.status == TaskStatus.PAUSED)
+    .where(t.c.id == P_ID, in_state(TaskStatus.PAUSED))
     .values(resume_after=_p("p_resume_after", sa.Float), pause_reason=_p("p_reason"))
 )
 
@@ -145,7 +153,7 @@ _IDS: Any = sa.bindparam("p_ids", expanding=True)
 #: action -> UPDATE … WHERE id IN (…) AND status = source RETURNING id (sweeper moves).
 MOVE_MANY: dict[str, Update] = {
     "resume": sa.update(t)
-    .where(t.c.id.in_(_IDS), t.c.status == _source("resume"))
+    .where(t.c.id.in_(_IDS), in_state(_source("resume")))
     .values(
         status=TRANSITIONS["resume"][1],
         updated_at=P_NOW,
@@ -155,7 +163,7 @@ MOVE_MANY: dict[str, Update] = {
     )
     .returning(t.c.id),
     "demote": sa.update(t)
-    .where(t.c.id.in_(_IDS), t.c.status == _source("demote"))
+    .where(t.c.id.in_(_IDS), in_state(_source("demote")))
     .values(
         status=TRANSITIONS["demote"][1],
         updated_at=P_NOW,
@@ -185,7 +193,7 @@ CANCEL = (
 #: Is a task of ``p_agent`` due? (an idle SQLite worker's cheap look: a read, no lock)
 HAS_DUE = (
     sa.select(t.c.id)
-    .where(t.c.status == TaskStatus.QUEUED, t.c.agent == P_AGENT, t.c.run_after <= P_NOW)
+    .where(in_state(TaskStatus.QUEUED), t.c.agent == P_AGENT, t.c.run_after <= P_NOW)
     .limit(1)
 )
 
@@ -195,19 +203,22 @@ def claim_statement(dialect: str) -> Update:
     """Claim up to ``p_limit`` due queued tasks of ``p_agent`` in one statement."""
     picked = (
         sa.select(t.c.id)
-        .where(t.c.status == _source("claim"), t.c.agent == P_AGENT, t.c.run_after <= P_NOW)
+        .where(in_state(_source("claim")), t.c.agent == P_AGENT, t.c.run_after <= P_NOW)
         .order_by(t.c.priority.desc(), t.c.id)
         .limit(P_LIMIT)
     )
     if dialect == "postgresql":
-        # A CTE runs once; an IN (subquery … FOR UPDATE) may be re-run per row.
+        # A CTE runs once; an IN (subquery … FOR UPDATE) may be re-run per row. The rows
+        # it picks are queued and locked: the UPDATE finds them by key. (A status test
+        # here would let the planner read them through the queued tasks' partial index,
+        # all of it, when its statistics still say the queue is nearly empty: a burst.)
         cte = picked.with_for_update(skip_locked=True).cte("picked")
-        match = t.c.id == cte.c.id
+        match = [t.c.id == cte.c.id]
     else:
-        match = t.c.id.in_(picked.scalar_subquery())
+        match = [t.c.id.in_(picked.scalar_subquery()), in_state(_source("claim"))]
     return (
         sa.update(t)
-        .where(match, t.c.status == _source("claim"))
+        .where(*match)
         .values(
             status=TRANSITIONS["claim"][1],
             claim_token=t.c.claim_token + 1,
@@ -248,7 +259,7 @@ def _complete_many_postgres() -> Update:
         .where(
             t.c.id == batch.c.v_id,
             t.c.claim_token == batch.c.v_token,
-            t.c.status == _source("complete"),
+            in_state(_source("complete")),
         )
         .values(status=TRANSITIONS["complete"][1], updated_at=P_NOW, **changes)
         .returning(t.c.id)

@@ -14,7 +14,7 @@ from sqlalchemy.engine import Connection
 
 from agentbus.queue import events, todos
 from agentbus.queue.base import QueueBase
-from agentbus.queue.statements import POSTPONE, SETTLE
+from agentbus.queue.statements import POSTPONE, SETTLE, in_state
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.schema import bus_commands as t
 
@@ -55,7 +55,7 @@ class SweepOps(QueueBase):
                 t.c.pause_model,
                 t.c.reentry_count,
             )
-            .where(t.c.status == TaskStatus.PAUSED, t.c.resume_after <= self.clock())
+            .where(in_state(TaskStatus.PAUSED), t.c.resume_after <= self.clock())
             .order_by(t.c.resume_after)
             .limit(limit)
         )
@@ -78,14 +78,14 @@ class SweepOps(QueueBase):
         """Task id -> agent of tasks whose pause episode began at or before ``paused_since``."""
         query = (
             sa.select(t.c.id, t.c.agent)
-            .where(t.c.status == TaskStatus.PAUSED, t.c.first_paused_at <= paused_since)
+            .where(in_state(TaskStatus.PAUSED), t.c.first_paused_at <= paused_since)
             .limit(limit)
         )
         return {r.id: r.agent for r in self.db.read(lambda conn: conn.execute(query).all())}
 
     def next_resume_at(self) -> float | None:
         """The earliest pending ``resume_after`` (an index lookup); None: nothing paused."""
-        query = sa.select(sa.func.min(t.c.resume_after)).where(t.c.status == TaskStatus.PAUSED)
+        query = sa.select(sa.func.min(t.c.resume_after)).where(in_state(TaskStatus.PAUSED))
         value = self.db.read(lambda conn: conn.execute(query).scalar())
         return float(value) if value is not None else None
 
@@ -119,7 +119,7 @@ class SweepOps(QueueBase):
             now = self.clock()
             pick = (
                 sa.select(t.c.id, t.c.claim_token, t.c.rescue_count, t.c.claimed_by)
-                .where(t.c.status == TaskStatus.CLAIMED, t.c.lease_until < now)
+                .where(in_state(TaskStatus.CLAIMED), t.c.lease_until < now)
                 .order_by(t.c.lease_until)
                 .limit(limit)
             )
