@@ -253,7 +253,7 @@ sa.Index("ix_cooldown_history_model", cooldown_history.c.model_id, cooldown_hist
 
 #: One row per admitted call through a limited gate: a leased slot while
 #: ``released_at`` is NULL (concurrency, bulkheads), and an entry of the
-#: sliding windows (rpm per provider account, rate per agent) by ``admitted_at``.
+#: sliding windows (rpm per provider account, rate per agent), numbered in each.
 call_slots = sa.Table(
     "call_slots",
     metadata,
@@ -268,12 +268,20 @@ call_slots = sa.Table(
     sa.Column("admitted_at", Epoch, nullable=False),
     sa.Column("lease_until", Epoch, nullable=False),
     sa.Column("released_at", Epoch),
+    # The call's number in its account's and its agent's rate window (1, 2, 3 … in
+    # admission order; NULL where that window was not configured): the limit-th newest
+    # call is then found by number, not by reading the window's calls.
+    sa.Column("account_seq", sa.BigInteger),
+    sa.Column("agent_seq", sa.BigInteger),
     sqlite_autoincrement=True,
 )
 sa.Index(
-    "ix_call_slots_account", call_slots.c.provider, call_slots.c.account, call_slots.c.admitted_at
+    "ix_call_slots_account_seq",
+    call_slots.c.provider,
+    call_slots.c.account,
+    call_slots.c.account_seq,
 )
-sa.Index("ix_call_slots_agent", call_slots.c.agent, call_slots.c.admitted_at)
+sa.Index("ix_call_slots_agent_seq", call_slots.c.agent, call_slots.c.agent_seq)
 sa.Index(
     "ix_call_slots_open", call_slots.c.lease_until, sqlite_where=sa.text("released_at IS NULL")
 )

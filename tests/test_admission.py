@@ -128,6 +128,32 @@ def test_rpm_is_a_sliding_window_that_says_when_it_frees(
     )
 
 
+def test_windows_admit_exactly_as_a_sliding_log_would_over_a_long_run(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    """Hundreds of calls at uneven intervals, old calls purged on the way: every answer
+    of the rpm window (5 per 60 s, numbered calls) is the one a plain list of admission
+    times gives, refusals saying exactly when the window frees."""
+    adm = admission(db, clock, config(tmp_path, rpm=5))
+    a = candidate(adm)
+    admitted: list[float] = []
+    steps = [0.5, 3.0, 7.0, 11.0, 0.25, 19.0, 2.0, 29.0]
+    for n in range(400):
+        clock.advance(steps[n % len(steps)] + n % 3)
+        in_window = [at for at in admitted if at > clock.now - 60]
+        answer = admit(adm, a)
+        if len(in_window) < 5:
+            assert isinstance(answer, Permit), (n, answer)
+            answer.__exit__(None, None, None)
+            admitted.append(clock.now)
+        else:
+            assert isinstance(answer, Refusal) and answer.gate == "rpm", (n, answer)
+            assert answer.retry_after == pytest.approx(in_window[-5] + 60)
+        if n % 50 == 49:
+            adm.purge()
+    assert 100 < len(admitted) < 400  # the window both admitted and refused along the way
+
+
 def test_agent_rate_is_shared_by_all_its_workers(
     db: Database, clock: FakeClock, tmp_path: Path
 ) -> None:

@@ -138,6 +138,36 @@ def _plan(db: Database, sql: str, params: dict[str, object]) -> str:
         return "\n".join(r[0] for r in rows)
 
 
+def test_the_calls_already_made_are_numbered_in_their_windows(empty_db_url: str) -> None:
+    """Upgrading past 0016 numbers each call of ``call_slots`` in its account's and its
+    agent's window, in admission order (a tie by time: by id)."""
+    db = Database(empty_db_url)
+    migrate(db, "0015")
+    calls = [  # provider, account, agent, admitted_at
+        ("sim", "a", "codex", 30.0),
+        ("sim", "a", "review", 10.0),
+        ("sim", "b", "codex", 20.0),
+        ("sim", "a", "codex", 10.0),
+        ("edge", "a", "codex", 40.0),
+    ]
+    with db.engine.begin() as conn:
+        for provider, account, agent, at in calls:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO call_slots (provider, account, model, agent, admitted_at,"
+                    " lease_until) VALUES (:p, :a, 'm', :g, :at, :at)"
+                ),
+                {"p": provider, "a": account, "g": agent, "at": at},
+            )
+    migrate(db)
+    with db.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT account_seq, agent_seq FROM call_slots ORDER BY id")
+        ).all()
+    assert [tuple(r) for r in rows] == [(3, 3), (1, 1), (1, 2), (2, 1), (1, 4)]
+    db.dispose()
+
+
 def test_claim_and_due_queries_are_index_range_scans(db: Database) -> None:
     """The claim and "paused and due" lookups read an index, not the table."""
     with db.engine.begin() as conn:

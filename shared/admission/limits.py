@@ -68,6 +68,11 @@ class Limits:
         return keys
 
     @property
+    def windows(self) -> tuple[str, ...]:
+        """The sliding windows that count this call (gates of ``WINDOW_SEQ``)."""
+        return (*(("rpm",) if self.rpm else ()), *(("agent_rate",) if self.agent_rate else ()))
+
+    @property
     def slot(self) -> bool:
         """Whether an admission takes a ``call_slots`` row (slots and windows count them)."""
         return bool(
@@ -179,13 +184,34 @@ _SLOT_GATES: dict[str, Any] = {
     "bulkhead": call_slots.c.bulkhead == sa.bindparam("p_bulkhead", type_=sa.Text),
 }
 #: How each sliding window picks its calls.
-_WINDOWS: dict[str, Any] = {
+WINDOWS: dict[str, Any] = {
     "rpm": sa.and_(
         call_slots.c.provider == sa.bindparam("p_provider", type_=sa.Text),
         call_slots.c.account == sa.bindparam("p_account", type_=sa.Text),
     ),
     "agent_rate": call_slots.c.agent == sa.bindparam("p_agent", type_=sa.Text),
 }
+#: Each window's numbering of its calls (1, 2, 3 … in admission order).
+WINDOW_SEQ: dict[str, Any] = {"rpm": call_slots.c.account_seq, "agent_rate": call_slots.c.agent_seq}
+_WINDOW_KEYS = {
+    "rpm": (call_slots.c.provider, call_slots.c.account),
+    "agent_rate": (call_slots.c.agent,),
+}
+
+
+def _newest(gate: str) -> Any:
+    """The number of the window's newest call (NULL: none). Read down the window's own
+    index, whatever the planner's statistics say (a fresh table has none)."""
+    seq = WINDOW_SEQ[gate]
+    keys = [c.desc() for c in _WINDOW_KEYS[gate]]
+    query = sa.select(seq).where(WINDOWS[gate], seq.is_not(None))
+    return query.order_by(*keys, seq.desc()).limit(1).scalar_subquery()
+
+
+def next_in_window(gate: str) -> Any:
+    """The number of a call the window ``gate`` admits now: one past its newest. Taken
+    under the gate's lock, so no two calls of a window get one number."""
+    return sa.func.coalesce(_newest(gate), 0) + 1
 
 
 @functools.cache
@@ -205,12 +231,12 @@ def counts_statement(
         )
     for gate in windows:
         since = sa.bindparam(f"p_{gate}_since", type_=sa.Float)
-        in_window = sa.and_(_WINDOWS[gate], call_slots.c.admitted_at > since)
-        asked.append(  # the limit-th newest call of the window, if there are that many
-            sa.select(call_slots.c.admitted_at)
-            .where(in_window)
-            .order_by(call_slots.c.admitted_at.desc())
-            .offset(sa.bindparam(f"p_{gate}_offset", type_=sa.Integer))
+        in_window = sa.and_(WINDOWS[gate], call_slots.c.admitted_at > since)
+        nth = _newest(gate) - sa.bindparam(f"p_{gate}_offset", type_=sa.Integer)
+        at = call_slots.c.admitted_at
+        asked.append(  # the limit-th newest call, if it is in the window: found by number
+            sa.select(sa.case((at > since, at), else_=None))
+            .where(WINDOWS[gate], WINDOW_SEQ[gate] == nth)
             .limit(1)
             .scalar_subquery()
         )

@@ -8,12 +8,15 @@ statement is built once, its values bind parameters, and runs compiled
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.admission.circuit import COUNT_SUCCESS, END_RUN
+from agentbus.admission.limits import WINDOW_SEQ, next_in_window
 from agentbus.prepared import prepared
 from agentbus.schema import call_slots, circuit_calls
 
@@ -36,27 +39,30 @@ _LOCK = sa.select(
 )
 
 
-#: Take a slot (the values: bind parameters named after the columns); returns its id.
-TAKE = (
-    sa.insert(call_slots)
-    .values(
-        {
-            name: sa.bindparam(name, type_=call_slots.c[name].type)
-            for name in (
-                "provider",
-                "account",
-                "model",
-                "agent",
-                "bulkhead",
-                "task_id",
-                "worker",
-                "admitted_at",
-                "lease_until",
-            )
-        }
-    )
-    .returning(call_slots.c.id)
-)
+@functools.cache
+def take(windows: tuple[str, ...]) -> sa.Insert:
+    """Take a slot (the values: bind parameters named after the columns, and those of
+    ``limits.WINDOWS``), numbered in each of ``windows`` (gates of ``limits.WINDOW_SEQ``,
+    whose locks the admission holds); returns its id."""
+    values: dict[str, Any] = {
+        name: sa.bindparam(name, type_=call_slots.c[name].type)
+        for name in (
+            "provider",
+            "account",
+            "model",
+            "agent",
+            "bulkhead",
+            "task_id",
+            "worker",
+            "admitted_at",
+            "lease_until",
+        )
+    }
+    for gate in windows:
+        values[WINDOW_SEQ[gate].key] = next_in_window(gate)
+    return sa.insert(call_slots).values(values).returning(call_slots.c.id)
+
+
 #: Give a slot back. No row matched: the lease ran out and the sweeper purged it.
 RELEASE = (
     sa.update(call_slots)
