@@ -141,15 +141,18 @@ def test_a_stop_request_takes_no_lock_the_logger_may_hold(db: Database) -> None:
     from agentbus.logging import configure
 
     configure(level="INFO")
-    worker = Worker(LiveConfig.fixed(Settings()), db, Options("codex", 30, 0.05, 1))
-    worker.log.info("first_line")  # the logger exists and has its lock
-    lock = structlog._output.WRITE_LOCKS[sys.stderr]
-    with lock:  # as if the main thread were inside a write when the signal came
-        asking = threading.Thread(target=worker.request_stop, args=("SIGTERM",), daemon=True)
-        asking.start()
-        asking.join(timeout=10)
-        assert not asking.is_alive(), "request_stop waited for the log's lock"
-    assert worker.stopping.is_set()
+    try:
+        worker = Worker(LiveConfig.fixed(Settings()), db, Options("codex", 30, 0.05, 1))
+        worker.log.info("first_line")  # the logger exists and has its lock
+        lock = structlog._output.WRITE_LOCKS[sys.stderr]
+        with lock:  # as if the main thread were inside a write when the signal came
+            asking = threading.Thread(target=worker.request_stop, args=("SIGTERM",), daemon=True)
+            asking.start()
+            asking.join(timeout=10)
+            assert not asking.is_alive(), "request_stop waited for the log's lock"
+        assert worker.stopping.is_set()
+    finally:  # the next tests of this process log (and capture) as configured by default
+        structlog.reset_defaults()
 
 
 def writing_to_a_full_pipe(pid: int) -> bool:
