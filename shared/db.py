@@ -243,20 +243,22 @@ class Database:
 
 
 class Pinned:
-    """One connection kept checked out for a caller on its hot path (a worker's
-    settle-and-claim): no pool checkout, reset and check-in per transaction.
+    """Connections kept checked out for a caller on its hot path (a worker's
+    settle-and-claim, its admissions): no pool checkout, reset and check-in per
+    transaction.
 
-    ``write`` and ``write_one`` are ``Database.write`` and ``write_one`` on that
-    connection. One thread uses it at a time; a thread that finds it in use goes
-    through the pool. After any error the connection is closed and the next
-    transaction (a retry included) takes a fresh one.
+    ``write`` and ``write_one`` are ``Database.write`` and ``write_one`` on them (on
+    PostgreSQL one connection for each: ``write_one``'s is in autocommit). One thread
+    uses them at a time; a thread that finds them in use goes through the pool. After
+    any error the connections are closed and the next transaction (a retry included)
+    takes a fresh one.
     """
 
     def __init__(self, db: Database) -> None:
         self.db = db
         self._lock = threading.Lock()
-        self._held: list[Connection] = []  # the connection, once taken
-        # Dropped without ``close`` (a Database never disposed): the connection goes back.
+        self._held: dict[bool, Connection] = {}  # autocommit -> its connection, once taken
+        # Dropped without ``close`` (a Database never disposed): the connections go back.
         weakref.finalize(self, _close_all, self._held)
 
     def write(self, work: Callable[[Connection], T]) -> T:
@@ -274,10 +276,10 @@ class Pinned:
             self._lock.release()
 
     def _once(self, work: Callable[[Connection], T], autocommit: bool) -> T:
-        if not self._held:
+        conn = self._held.get(autocommit)
+        if conn is None:
             engine = self.db._read_engine if autocommit else self.db.engine
-            self._held.append(engine.connect())
-        conn = self._held[0]
+            conn = self._held[autocommit] = engine.connect()
         try:
             with contextlib.nullcontext() if autocommit else self.db._writers, conn.begin():
                 return work(conn)
@@ -289,10 +291,10 @@ class Pinned:
         _close_all(self._held)
 
 
-def _close_all(held: list[Connection]) -> None:
+def _close_all(held: dict[bool, Connection]) -> None:
     while held:
         with contextlib.suppress(Exception):
-            held.pop().close()
+            held.popitem()[1].close()
 
 
 class _WriterTurns:

@@ -158,3 +158,30 @@ def test_sqlite_writers_take_turns_through_a_lock_file(tmp_path: Path) -> None:
     assert done.is_set()
     assert TaskQueue(db).has_due("codex") is True
     db.dispose()
+
+
+def test_pinned_writes_are_transactions_and_single_statements_commit_alone(db: Database) -> None:
+    """The kept connections: a ``write`` is one transaction (a failure undoes all of it)
+    even after an autocommitted ``write_one`` took its connection first, and the reverse."""
+    table = "pinned_probe"
+    with db.engine.begin() as conn:
+        conn.exec_driver_sql(f"CREATE TABLE {table} (n INTEGER)")
+
+    def insert(n: int) -> None:
+        def work(conn: sa.Connection) -> None:
+            conn.exec_driver_sql(f"INSERT INTO {table} VALUES ({n})")
+
+        db.pinned.write_one(work)
+
+    def two_then_fail(conn: sa.Connection) -> None:
+        conn.exec_driver_sql(f"INSERT INTO {table} VALUES (2)")
+        conn.exec_driver_sql(f"INSERT INTO {table} VALUES (3)")
+        raise RuntimeError("the unit of work fails")
+
+    insert(1)
+    with pytest.raises(RuntimeError):
+        db.pinned.write(two_then_fail)
+    insert(4)
+    with db.engine.connect() as conn:
+        kept = sorted(n for (n,) in conn.exec_driver_sql(f"SELECT n FROM {table}"))
+    assert kept == [1, 4]

@@ -272,7 +272,7 @@ class Admission:
         def work(conn: Connection) -> Permit | Refusal | Admissible:
             return self._check(conn, c, agent, task_id, lease_sec, limits, gates, take)
 
-        return self.db.write(work) if take else self.db.read(work)
+        return self.db.pinned.write(work) if take else self.db.read(work)
 
     def _check(
         self,
@@ -384,7 +384,7 @@ class Admission:
         if success and permit.slot_id is not None and self.db.dialect == "postgresql":
             # The common case in one statement, its own transaction: one round trip.
             both = prepared(self.db.engine.dialect, slots.RELEASE_AND_COUNT_SUCCESS_POSTGRES)
-            self.db.write_one(lambda conn: both.execute(conn, params))
+            self.db.pinned.write_one(lambda conn: both.execute(conn, params))
             return
 
         def work(conn: Connection) -> None:
@@ -397,7 +397,7 @@ class Admission:
                 slots.lock_gates(conn, [f"circuit:{c.provider}"])
                 self.circuits.count(conn, provider, failed=failed, probe=permit.probe, now=now)
 
-        self.db.write(work)
+        self.db.pinned.write(work)
 
     def lease_for(self, candidate: Candidate) -> float:
         """How long a permit's slots are held at most: every try of the call, with margin."""
