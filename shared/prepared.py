@@ -40,7 +40,7 @@ class Prepared:
         if self._server_side:
             dialect = copy.copy(dialect)  # the engine's own, with psycopg's native placeholders
             dialect.paramstyle, dialect.positional = "numeric_dollar", True
-        compiled = statement.compile(dialect=dialect)
+        compiled = _inline_constants(statement, dialect).compile(dialect=dialect)
         self.sql = compiled.string
         if "POSTCOMPILE" in self.sql:
             raise ValueError("a statement with expanding parameters cannot be prepared")
@@ -126,6 +126,32 @@ class Prepared:
     def dicts(self, fetched: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
         """Rows from ``fetch`` as dicts by column, read as SQLAlchemy would."""
         return [dict(zip(self.columns, row, strict=True)) for row in self.read(fetched)]
+
+
+def _inline_constants(statement: Any, dialect: sa.Dialect) -> Any:
+    """``statement`` with its constants (the literal values SQLAlchemy binds as parameters:
+    ``status = 'done'``, ``attempts + 1``) written into the SQL, cast to their type as
+    their placeholders were: a run sends only the values that vary (a worker's
+    settle-and-claim on PostgreSQL: 12 parameters instead of 31), and a plan made once
+    for any values still knows the constants."""
+    from sqlalchemy.sql import visitors
+
+    def inline(element: Any, **kw: Any) -> Any:
+        if (
+            not isinstance(element, sa.BindParameter)
+            or element.required
+            or element.callable is not None
+            or element.expanding
+        ):
+            return None
+        value = element.value
+        render = element.type.literal_processor(dialect)
+        if value is None or render is None:
+            return None
+        return sa.cast(sa.literal_column(render(value)), element.type)
+
+    opts: dict[str, Any] = {}
+    return visitors.replacement_traverse(statement, opts, inline)
 
 
 def _raw_cursor(conn: Connection, binary_arrays: bool = False) -> Any:

@@ -37,6 +37,15 @@ P_LIMIT = _p("p_limit", sa.Integer)
 P_AGENT = _p("p_agent")
 P_WORKER = _p("p_worker")
 
+#: Constants as SQL values (a plain Python value in ``.values()`` would be bound at
+#: every run; these are written into the compiled statement: ``agentbus.prepared``).
+_NULL = sa.null()
+
+
+def _state(status: TaskStatus) -> Any:
+    return sa.literal(TaskStatus(status).value, sa.Text)
+
+
 #: JSON text into a JSON column (SQLite keeps JSON as text).
 _JSON_TEXT = sa.Text().with_variant(sa.JSON(), "postgresql")
 
@@ -46,21 +55,21 @@ _CLAIMED_CHANGES: dict[str, Mapping[str, Any]] = {
         "result_note": _p("p_note"),
         "result_detail": sa.cast(_p("p_detail"), _JSON_TEXT),
         "attempts": t.c.attempts + 1,
-        "lease_until": None,
-        "first_paused_at": None,
-        "reentry_count": 0,
+        "lease_until": _NULL,
+        "first_paused_at": _NULL,
+        "reentry_count": sa.literal(0),
     },
     "fail": {
         "result_note": _p("p_error"),
         "last_error": _p("p_error"),
         "attempts": t.c.attempts + _p("p_spend", sa.Integer),
-        "lease_until": None,
+        "lease_until": _NULL,
     },
     "error": {
         "result_note": _p("p_error"),
         "last_error": _p("p_error"),
         "attempts": t.c.attempts + 1,
-        "lease_until": None,
+        "lease_until": _NULL,
     },
     # No attempt is spent. first_paused_at marks the start of the pause episode
     # and survives resume/re-pause; a resumed task that pauses again on the same
@@ -84,23 +93,23 @@ _CLAIMED_CHANGES: dict[str, Mapping[str, Any]] = {
             ),
             else_=0,
         ),
-        "lease_until": None,
+        "lease_until": _NULL,
     },
-    "release": {"lease_until": None, "claimed_by": None},
+    "release": {"lease_until": _NULL, "claimed_by": _NULL},
     "requeue": {
         "attempts": t.c.attempts + 1,
         "run_after": _p("p_run_after", sa.Float),
         "last_error": _p("p_error"),
-        "lease_until": None,
-        "claimed_by": None,
+        "lease_until": _NULL,
+        "claimed_by": _NULL,
     },
-    "rescue": {"rescue_count": t.c.rescue_count + 1, "lease_until": None, "claimed_by": None},
+    "rescue": {"rescue_count": t.c.rescue_count + 1, "lease_until": _NULL, "claimed_by": _NULL},
     "rescue_fail": {
         "rescue_count": t.c.rescue_count + 1,
         "result_note": _p("p_error"),
         "last_error": _p("p_error"),
-        "lease_until": None,
-        "claimed_by": None,
+        "lease_until": _NULL,
+        "claimed_by": _NULL,
     },
 }
 
@@ -127,7 +136,7 @@ def _claimed_statement(action: str) -> Update:
     return (
         sa.update(t)
         .where(*guard)
-        .values(status=target.value, updated_at=P_NOW, **_CLAIMED_CHANGES[action])
+        .values(status=_state(target), updated_at=P_NOW, **_CLAIMED_CHANGES[action])
     )
 
 
@@ -155,9 +164,9 @@ MOVE_MANY: dict[str, Update] = {
     "resume": sa.update(t)
     .where(t.c.id.in_(_IDS), in_state(_source("resume")))
     .values(
-        status=TRANSITIONS["resume"][1],
+        status=_state(TRANSITIONS["resume"][1]),
         updated_at=P_NOW,
-        resume_after=None,
+        resume_after=_NULL,
         resume_count=t.c.resume_count + 1,
         run_after=P_NOW,
     )
@@ -165,11 +174,11 @@ MOVE_MANY: dict[str, Update] = {
     "demote": sa.update(t)
     .where(t.c.id.in_(_IDS), in_state(_source("demote")))
     .values(
-        status=TRANSITIONS["demote"][1],
+        status=_state(TRANSITIONS["demote"][1]),
         updated_at=P_NOW,
         result_note=_p("p_error"),
         last_error=_p("p_error"),
-        resume_after=None,
+        resume_after=_NULL,
     )
     .returning(t.c.id),
 }
@@ -181,10 +190,10 @@ CANCEL = (
     sa.update(t)
     .where(t.c.id.in_(_IDS), t.c.status == _p("p_source"))
     .values(
-        status=TaskStatus.CANCELLED,
+        status=_state(TaskStatus.CANCELLED),
         updated_at=P_NOW,
-        lease_until=None,
-        resume_after=None,
+        lease_until=_NULL,
+        resume_after=_NULL,
         result_note=_p("p_note"),
     )
     .returning(t.c.id)
@@ -220,7 +229,7 @@ def claim_statement(dialect: str) -> Update:
         sa.update(t)
         .where(*match)
         .values(
-            status=TRANSITIONS["claim"][1],
+            status=_state(TRANSITIONS["claim"][1]),
             claim_token=t.c.claim_token + 1,
             claimed_by=P_WORKER,
             claimed_at=P_NOW,
@@ -261,7 +270,7 @@ def _complete_many_postgres() -> Update:
             t.c.claim_token == batch.c.v_token,
             in_state(_source("complete")),
         )
-        .values(status=TRANSITIONS["complete"][1], updated_at=P_NOW, **changes)
+        .values(status=_state(TRANSITIONS["complete"][1]), updated_at=P_NOW, **changes)
         .returning(t.c.id)
     )
 
