@@ -50,6 +50,50 @@ def test_enqueue_many_returns_ids_in_order(queue: TaskQueue) -> None:
     assert queue.enqueue_many([]) == []
 
 
+def test_a_batch_of_tasks_stores_every_value_as_given(queue: TaskQueue, clock: FakeClock) -> None:
+    """Enqueued together (one statement on PostgreSQL, its columns sent as arrays): quotes,
+    backslashes, braces, commas, NULL-looking words, non-ASCII, escaped NULs in a
+    payload and missing values arrive unchanged, each in its own task, in order."""
+    texts = ['say "hi"', "back\\slash", "{braces, commas}", "NULL", "héllo ✓", "plain"]
+    payloads = [
+        {"q": 'a "b" \\ c', "n": [1, 2.5, None]},
+        {"nul": "before\u0000after"},
+        {},
+        {"NULL": None, "nested": {"x": {"y": "{}"}}},
+        {"ü": "✓"},
+        {"messages": [{"role": "user", "content": "hi"}]},
+    ]
+    chains = [("sim/a",), None, ("sim/a", "sim/b"), None, ("sim/a",), None]
+    roles = [None, "coder", None, "NULL", None, "reviewer"]
+    specs = [
+        TaskSpec(
+            agent="codex",
+            command=text,
+            models=chain,
+            role=role,
+            payload=payload,
+            priority=n - 2,
+            delay_sec=float(n),
+            max_attempts=n + 1 if n % 2 else None,
+        )
+        for n, (text, payload, chain, role) in enumerate(
+            zip(texts, payloads, chains, roles, strict=True)
+        )
+    ]
+    ids = queue.enqueue_many(specs)
+    assert ids == sorted(ids) and len(set(ids)) == len(specs)
+    for n, task_id in enumerate(ids):
+        task = queue.get(task_id)
+        assert task.command == texts[n]
+        assert dict(task.payload) == payloads[n]
+        assert task.models == chains[n]
+        assert task.role == roles[n]
+        assert task.priority == n - 2
+        assert task.run_after == pytest.approx(clock.now + n)
+        assert task.max_attempts == (n + 1 if n % 2 else queue.max_attempts)
+        assert task.status is TaskStatus.QUEUED
+
+
 def test_claim_orders_by_priority_then_age(queue: TaskQueue, clock: FakeClock) -> None:
     low = queue.enqueue(spec(text="low", priority=0)).id
     clock.advance(1)

@@ -368,11 +368,10 @@ ENQUEUE_ARRAYS: dict[str, Any] = {
 
 def _enqueue_postgres(*, single: bool) -> sa.Select[Any]:
     """PostgreSQL: insert tasks, their enqueue events and the idle workers' wake-up in one
-    statement. Parameters: ``p_rows``, a JSON array of the tasks (each an object with
-    the ENQUEUE_ARRAYS keys and ``n``, its place) and ``p_now``; with ``single``,
-    ``p_<name>`` for each ENQUEUE_ARRAYS entry instead. ``payload`` and ``models`` are
-    JSON text either way (a payload's "\u0000" stays an escape: PostgreSQL refuses it
-    decoded). Returns the new ids in order."""
+    statement. Parameters: ``p_<name>`` for each ENQUEUE_ARRAYS entry (with ``single``
+    the task's value, else an array of the tasks' values, in order) and ``p_now``.
+    ``payload`` and ``models`` are JSON text (a payload's "\u0000" stays an escape:
+    PostgreSQL refuses it decoded). Returns the new ids in order."""
     from agentbus.queue.wakeups import CHANNEL
 
     order: tuple[Any, ...] = ()
@@ -380,13 +379,13 @@ def _enqueue_postgres(*, single: bool) -> sa.Select[Any]:
         given: Any = sa.select(
             *(sa.bindparam(f"p_{n}", type_=e).label(n) for n, e in ENQUEUE_ARRAYS.items())
         ).subquery("given")
-    else:  # one JSON document for the batch: one encoding, not an array per column
+    else:  # an array per column, sent in binary
         given = (
-            sa.func.json_to_recordset(sa.bindparam("p_rows", type_=sa.JSON))
-            .table_valued(
-                sa.column("n", sa.Integer), *(sa.column(n, e) for n, e in ENQUEUE_ARRAYS.items())
+            sa.func.unnest(
+                *(sa.bindparam(f"p_{n}", type_=sa.ARRAY(e)) for n, e in ENQUEUE_ARRAYS.items())
             )
-            .render_derived(name="given", with_types=True)
+            .table_valued(*ENQUEUE_ARRAYS, with_ordinality="n")
+            .render_derived(name="given")
         )
         order = (given.c.n,)  # ids are drawn in this order: RETURNING sorted by id keeps it
     rows = sa.select(

@@ -119,8 +119,7 @@ class TaskQueue(SweepOps, SteeringOps):
                 params = {f"p_{n}": rows[0][n] for n in ENQUEUE_ARRAYS}
             else:
                 statement = self.db.prepared(ENQUEUE_MANY_POSTGRES)
-                given = [{k: r[k] for k in ENQUEUE_ARRAYS} for r in rows]
-                params = {"p_rows": [{"n": i, **r} for i, r in enumerate(given)]}
+                params = {f"p_{n}": [r[n] for r in rows] for n in ENQUEUE_ARRAYS}
             params["p_now"] = now
 
             def one_statement(conn: Connection) -> list[int]:
