@@ -43,7 +43,8 @@ _NULL = sa.null()
 
 
 def _state(status: TaskStatus) -> Any:
-    return sa.literal(TaskStatus(status).value, sa.Text)
+    """A task state written into the SQL, not bound (see ``in_state``)."""
+    return sa.literal_column(f"'{TaskStatus(status).value}'", sa.Text)
 
 
 #: JSON text into a JSON column (SQLite keeps JSON as text).
@@ -119,7 +120,7 @@ def in_state(status: TaskStatus) -> sa.ColumnElement[bool]:
     plans a prepared statement once for any values (a generic plan), and can read it
     through a partial index (of the queued, claimed or paused tasks) only when the
     statement itself names the state: bound, a claim scanned the whole table."""
-    return t.c.status == sa.literal_column(f"'{TaskStatus(status).value}'", sa.Text)
+    return t.c.status == _state(status)
 
 
 def _source(action: str) -> TaskStatus:
