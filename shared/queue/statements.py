@@ -42,7 +42,7 @@ P_WORKER = _p("p_worker")
 _NULL = sa.null()
 
 
-def _state(status: TaskStatus) -> Any:
+def _state(status: TaskStatus) -> sa.ColumnElement[str]:
     """A task state written into the SQL, not bound (see ``in_state``)."""
     return sa.literal_column(f"'{TaskStatus(status).value}'", sa.Text)
 
