@@ -311,7 +311,7 @@ class Admission:
             return Refusal(Code.CIRCUIT_OPEN, recheck, detail, "circuit", gates)
         slot_id = None
         if limits.slot:
-            slot = prepared(conn.dialect, slots.take(limits.windows))
+            slot = prepared(conn.dialect, slots.take(tuple(limits.window_limits)))
             params = {
                 "provider": c.provider,
                 "account": c.account,
@@ -322,9 +322,6 @@ class Admission:
                 "worker": self.worker,
                 "admitted_at": now,
                 "lease_until": now + lease_sec,
-                "p_provider": c.provider,
-                "p_account": c.account,
-                "p_agent": agent,
             }
             slot_id = slot.tuples(slot.execute(conn, params))[0][0]
         return Permit(self, c, slot_id, probe, gates)

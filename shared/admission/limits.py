@@ -6,6 +6,7 @@ is plain data (``Limits.of``); ``check`` turns the counts into refusals."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,9 +69,11 @@ class Limits:
         return keys
 
     @property
-    def windows(self) -> tuple[str, ...]:
-        """The sliding windows that count this call (gates of ``WINDOW_SEQ``)."""
-        return (*(("rpm",) if self.rpm else ()), *(("agent_rate",) if self.agent_rate else ()))
+    def window_limits(self) -> dict[str, tuple[int, float]]:
+        """The sliding windows that count this call (gates of ``WINDOW_SEQ``): their calls
+        per window, and its length."""
+        configured = {"rpm": self.rpm, "agent_rate": self.agent_rate}
+        return {gate: limit for gate, limit in configured.items() if limit}
 
     @property
     def slot(self) -> bool:
@@ -112,11 +115,7 @@ class Limits:
             )
             if limit
         ]
-        windows = []
-        if self.rpm:
-            windows.append(("rpm", self.rpm[0], self.rpm[1]))
-        if self.agent_rate:
-            windows.append(("agent_rate", *self.agent_rate))
+        windows = [(gate, *limit) for gate, limit in self.window_limits.items()]
         budgets = bool(self.tokens or self.cost)
         params: dict[str, Any] = {
             "p_now": now,
@@ -183,35 +182,41 @@ _SLOT_GATES: dict[str, Any] = {
     "provider_concurrency": call_slots.c.provider == sa.bindparam("p_provider", type_=sa.Text),
     "bulkhead": call_slots.c.bulkhead == sa.bindparam("p_bulkhead", type_=sa.Text),
 }
-#: How each sliding window picks its calls.
-WINDOWS: dict[str, Any] = {
-    "rpm": sa.and_(
-        call_slots.c.provider == sa.bindparam("p_provider", type_=sa.Text),
-        call_slots.c.account == sa.bindparam("p_account", type_=sa.Text),
-    ),
-    "agent_rate": call_slots.c.agent == sa.bindparam("p_agent", type_=sa.Text),
-}
-#: Each window's numbering of its calls (1, 2, 3 … in admission order).
-WINDOW_SEQ: dict[str, Any] = {"rpm": call_slots.c.account_seq, "agent_rate": call_slots.c.agent_seq}
+#: The columns that make one sliding window (a provider account's, an agent's).
 _WINDOW_KEYS = {
     "rpm": (call_slots.c.provider, call_slots.c.account),
     "agent_rate": (call_slots.c.agent,),
 }
+#: Each window's numbering of its calls (1, 2, 3 … in admission order).
+WINDOW_SEQ: dict[str, Any] = {"rpm": call_slots.c.account_seq, "agent_rate": call_slots.c.agent_seq}
 
 
-def _newest(gate: str) -> Any:
+def _window(gate: str, values: Mapping[str, Any]) -> Any:
+    """The calls of window ``gate`` whose key columns equal ``values`` (by column name)."""
+    return sa.and_(*(column == values[column.name] for column in _WINDOW_KEYS[gate]))
+
+
+#: How each sliding window picks its calls (bind parameters ``p_<column>``).
+_WINDOWS: dict[str, Any] = {
+    gate: _window(gate, {c.name: sa.bindparam(f"p_{c.name}", type_=sa.Text) for c in keys})
+    for gate, keys in _WINDOW_KEYS.items()
+}
+
+
+def _newest(gate: str, window: Any) -> Any:
     """The number of the window's newest call (NULL: none). Read down the window's own
     index, whatever the planner's statistics say (a fresh table has none)."""
     seq = WINDOW_SEQ[gate]
     keys = [c.desc() for c in _WINDOW_KEYS[gate]]
-    query = sa.select(seq).where(WINDOWS[gate], seq.is_not(None))
+    query = sa.select(seq).where(window, seq.is_not(None))
     return query.order_by(*keys, seq.desc()).limit(1).scalar_subquery()
 
 
-def next_in_window(gate: str) -> Any:
-    """The number of a call the window ``gate`` admits now: one past its newest. Taken
-    under the gate's lock, so no two calls of a window get one number."""
-    return sa.func.coalesce(_newest(gate), 0) + 1
+def next_in_window(gate: str, values: Mapping[str, Any]) -> Any:
+    """The number of a call the window ``gate`` admits now, ``values`` its key columns:
+    one past the window's newest. Taken under the gate's lock, so no two calls of a
+    window get one number."""
+    return sa.func.coalesce(_newest(gate, _window(gate, values)), 0) + 1
 
 
 @functools.cache
@@ -231,12 +236,12 @@ def counts_statement(
         )
     for gate in windows:
         since = sa.bindparam(f"p_{gate}_since", type_=sa.Float)
-        in_window = sa.and_(WINDOWS[gate], call_slots.c.admitted_at > since)
-        nth = _newest(gate) - sa.bindparam(f"p_{gate}_offset", type_=sa.Integer)
+        in_window = sa.and_(_WINDOWS[gate], call_slots.c.admitted_at > since)
+        nth = _newest(gate, _WINDOWS[gate]) - sa.bindparam(f"p_{gate}_offset", type_=sa.Integer)
         at = call_slots.c.admitted_at
         asked.append(  # the limit-th newest call, if it is in the window: found by number
             sa.select(sa.case((at > since, at), else_=None))
-            .where(WINDOWS[gate], WINDOW_SEQ[gate] == nth)
+            .where(_WINDOWS[gate], WINDOW_SEQ[gate] == nth)
             .limit(1)
             .scalar_subquery()
         )

@@ -41,9 +41,9 @@ _LOCK = sa.select(
 
 @functools.cache
 def take(windows: tuple[str, ...]) -> sa.Insert:
-    """Take a slot (the values: bind parameters named after the columns, and those of
-    ``limits.WINDOWS``), numbered in each of ``windows`` (gates of ``limits.WINDOW_SEQ``,
-    whose locks the admission holds); returns its id."""
+    """Take a slot (the values: bind parameters named after the columns), numbered in
+    each of ``windows`` (gates of ``limits.WINDOW_SEQ``, whose locks the admission
+    holds); returns its id."""
     values: dict[str, Any] = {
         name: sa.bindparam(name, type_=call_slots.c[name].type)
         for name in (
@@ -59,7 +59,7 @@ def take(windows: tuple[str, ...]) -> sa.Insert:
         )
     }
     for gate in windows:
-        values[WINDOW_SEQ[gate].key] = next_in_window(gate)
+        values[WINDOW_SEQ[gate].key] = next_in_window(gate, values)
     return sa.insert(call_slots).values(values).returning(call_slots.c.id)
 
 
