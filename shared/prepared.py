@@ -156,14 +156,24 @@ def _inline_constants(statement: Any, dialect: sa.Dialect) -> Any:
 
 def _raw_cursor(conn: Connection, binary_arrays: bool = False) -> Any:
     """psycopg's cursor for ``$n`` placeholders, on the connection ``conn`` holds (with
-    ``binary_arrays``, sending Python lists as binary arrays)."""
-    import psycopg  # only ever here for a postgresql:// URL
+    ``binary_arrays``, sending Python lists as binary arrays).
 
-    cursor = psycopg.RawCursor(conn.connection.driver_connection)  # type: ignore[arg-type]
-    if binary_arrays:
-        from psycopg.types.array import ListBinaryDumper
+    Made once per database connection and kept with it (in the pool's ``info`` of the
+    connection, which goes when the connection goes): a new cursor per execution
+    costs more client time than the statement's round trip (its adapters are copied
+    and its result's loaders looked up again). Callers read a cursor before they
+    run the next statement."""
+    driver = conn.connection.driver_connection
+    kept: dict[bool, Any] = conn.connection.info.setdefault("agentbus_raw_cursors", {})
+    cursor = kept.get(binary_arrays)
+    if cursor is None or cursor.connection is not driver or cursor.closed:
+        import psycopg  # only ever here for a postgresql:// URL
 
-        cursor.adapters.register_dumper(list, ListBinaryDumper)
+        cursor = kept[binary_arrays] = psycopg.RawCursor(driver)  # type: ignore[arg-type]
+        if binary_arrays:
+            from psycopg.types.array import ListBinaryDumper
+
+            cursor.adapters.register_dumper(list, ListBinaryDumper)
     return cursor
 
 

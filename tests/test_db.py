@@ -90,8 +90,22 @@ def test_a_prepared_statement_on_a_lost_connection_is_a_transient_error(backends
         with pytest.raises(sa.exc.DBAPIError) as raised:
             statement.execute(conn, {})
     assert raised.value.connection_invalidated and is_transient(raised.value)
+    # The retry's connection (the pool's fresh one) runs it: nothing of the lost one is used.
+    with db.engine.connect() as conn:
+        assert statement.rows(statement.execute(conn, {})) == [{"one": 1}]
     db.dispose()
     backends.drop(handle)
+
+
+def test_prepared_statements_take_turns_on_one_connection(db: Database) -> None:
+    """Statements run one after another on the same connection each answer their own rows
+    (on PostgreSQL they share the connection's cursor; each is read before the next)."""
+    ints = Prepared(sa.select(sa.bindparam("p_n", type_=sa.Integer).label("n")), db.engine.dialect)
+    texts = Prepared(sa.select(sa.bindparam("p_s", type_=sa.Text).label("s")), db.engine.dialect)
+    with db.engine.connect() as conn:
+        for i in range(3):
+            assert ints.tuples(ints.execute(conn, {"p_n": i})) == [(i,)]
+            assert texts.rows(texts.execute(conn, {"p_s": f"t{i}"})) == [{"s": f"t{i}"}]
 
 
 def test_transient_classification() -> None:
