@@ -281,7 +281,12 @@ class Pinned:
             engine = self.db._read_engine if autocommit else self.db.engine
             conn = self._held[autocommit] = engine.connect()
         try:
-            with contextlib.nullcontext() if autocommit else self.db._writers, conn.begin():
+            if autocommit:  # each statement commits by itself: nothing to begin or end
+                result = work(conn)
+                if conn.in_transaction():  # begun by an execute of SQLAlchemy's own
+                    conn.commit()
+                return result
+            with self.db._writers, conn.begin():
                 return work(conn)
         except BaseException:
             self.close()
