@@ -27,6 +27,7 @@ from agentbus.schema import bus_observations as obs
 BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 LE = (*(f"{b:g}" for b in BUCKETS), "+Inf")
 Key = tuple[str, str]  # (name, labels as k=v,k=v)
+_TEXTS_KEPT = 1024
 
 
 def labels_text(labels: Mapping[str, str]) -> str:
@@ -43,23 +44,38 @@ class Observations:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[Key, dict[str, float]] = {}
+        # labels (as given) -> their text: a worker observes the same few label sets
+        # for every task, and sorting and joining them each time cost more than the
+        # observation.
+        self._texts: dict[tuple[tuple[str, str], ...], str] = {}
 
     def observe(self, name: str, labels: Mapping[str, str], seconds: float) -> None:
         """One sample of histogram ``name``."""
         if not math.isfinite(seconds) or seconds < 0:
             return
         le = LE[bisect.bisect_left(BUCKETS, seconds)]
+        key = (name, self._text(labels))
         with self._lock:
-            row = self._pending.setdefault((name, labels_text(labels)), {})
+            row = self._pending.setdefault(key, {})
             row[le] = row.get(le, 0.0) + 1
             row["sum"] = row.get("sum", 0.0) + seconds
             row["count"] = row.get("count", 0.0) + 1
 
     def count(self, name: str, labels: Mapping[str, str], n: float = 1.0) -> None:
         """Add ``n`` to counter ``name``."""
+        key = (name, self._text(labels))
         with self._lock:
-            row = self._pending.setdefault((name, labels_text(labels)), {})
+            row = self._pending.setdefault(key, {})
             row["count"] = row.get("count", 0.0) + n
+
+    def _text(self, labels: Mapping[str, str]) -> str:
+        given = tuple(labels.items())
+        text = self._texts.get(given)
+        if text is None:
+            if len(self._texts) >= _TEXTS_KEPT:  # label values without bound: start over
+                self._texts.clear()
+            text = self._texts[given] = labels_text(labels)
+        return text
 
     def take(self) -> list[dict[str, Any]]:
         """The rows to add, and nothing pending after."""

@@ -409,3 +409,29 @@ def test_call_task_and_sweep_times_are_histograms_that_survive_the_processes(
     }
     assert {"rescue", "resume", "prune"} <= jobs, jobs
     assert "agentbus_sweep_job_failures" in families
+
+
+def test_observations_count_each_label_set_once_whatever_the_order_or_how_many() -> None:
+    """Labels given in another order are the same series; label sets beyond those a process
+    remembers the text of are still each counted, under their own labels."""
+    from agentbus.observations import _TEXTS_KEPT, Observations, labels_of
+
+    seen = Observations()
+    seen.observe("agentbus_call_seconds", {"agent": "a", "model": "m", "outcome": "ok"}, 0.2)
+    seen.observe("agentbus_call_seconds", {"outcome": "ok", "model": "m", "agent": "a"}, 0.3)
+    for i in range(_TEXTS_KEPT + 5):
+        seen.count("agentbus_sweep_job_failures", {"job": f"j{i}"})
+    seen.count("agentbus_sweep_job_failures", {"job": "j0"})
+    rows = seen.take()
+    calls = {r["le"]: r["value"] for r in rows if r["name"] == "agentbus_call_seconds"}
+    assert {r["labels"] for r in rows if r["name"] == "agentbus_call_seconds"} == {
+        "agent=a,model=m,outcome=ok"
+    }
+    assert calls["count"] == 2 and calls["sum"] == pytest.approx(0.5) and calls["0.25"] == 1
+    failures = {
+        labels_of(r["labels"])["job"]: r["value"]
+        for r in rows
+        if r["name"] == "agentbus_sweep_job_failures"
+    }
+    assert len(failures) == _TEXTS_KEPT + 5
+    assert failures["j0"] == 2 and failures[f"j{_TEXTS_KEPT + 4}"] == 1
