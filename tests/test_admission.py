@@ -16,7 +16,7 @@ from agentbus.admission.gates import Code, Refusal
 from agentbus.admission.limits import Limits
 from agentbus.admission.routing import Candidate, Route
 from agentbus.admission.slots import LOCK_CLASS, lock_gates
-from agentbus.config import Config, load_config
+from agentbus.config import Config, LiveConfig, load_config
 from agentbus.db import Database
 from agentbus.providers.outcomes import Failed, RateLimited, Succeeded
 from agentbus.schema import model_cooldown
@@ -346,6 +346,39 @@ def test_a_refused_credential_leaves_the_account_out_until_it_changes(
     )
     found = rotated.resolve(models=("sim/a",), role=None, agent="codex")
     assert [c.key for c in found.candidates] == ["sim/a@a", "sim/a@b"]
+
+
+def test_a_kept_resolution_follows_credentials_refusals_and_a_reloaded_config(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    """A worker keeps what its chains resolve to (the refused credentials are read again
+    only every ``cache_sec``); a key set or rotated in the environment, a credential
+    refused and a reloaded config each apply to the next resolution all the same."""
+    environ = {**ENV, "SIM_KEY_B": ""}
+    live = LiveConfig(config(tmp_path), watch=False)
+    cooldowns = CooldownStore(db, clock=clock, cache_sec=1e-9)
+    adm = Admission(
+        db, live, worker="w1", cooldowns=cooldowns, environ=environ, clock=clock, cache_sec=3600
+    )
+
+    def keys(models: tuple[str, ...] | None = ("sim/a",)) -> list[str]:
+        return [c.key for c in adm.resolve(models=models, role=None, agent="codex").candidates]
+
+    assert keys() == keys() == ["sim/a@a"]
+    environ["SIM_KEY_B"] = "kb"
+    assert keys() == ["sim/a@a", "sim/a@b"]
+    adm.mark_unusable(candidate(adm), "HTTP 401")
+    assert keys() == ["sim/a@b"]
+    environ["SIM_KEY_A"] = "a-rotated-key"
+    assert keys() == ["sim/a@a", "sim/a@b"]
+    assert keys(None) == ["sim/a@a", "sim/a@b"]  # the agent's chain
+    other = tmp_path / "other"
+    other.mkdir()
+    reloaded = config(other)
+    reloaded_text = reloaded.path.read_text().replace('models = ["sim/a"]', 'models = ["sim/big"]')
+    reloaded.path.write_text(reloaded_text)
+    live.config = load_config(reloaded.path, environ=ENV)
+    assert keys(None) == ["sim/big@a", "sim/big@b"]
 
 
 def test_an_admission_locks_only_the_gates_it_counts(db: Database) -> None:
