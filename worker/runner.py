@@ -78,6 +78,9 @@ class Runner:
         self.admission = admission
         self.providers = providers
         self.worker_id = worker_id
+        # Bound once, as the worker's own logger is: a line names its worker, and a
+        # line per call does not assemble a logger (structlog's proxy does, each time).
+        self.log = log.bind(worker=worker_id)
         self.clock = clock
         self.observed = observed or Observations()
 
@@ -132,7 +135,7 @@ class Runner:
                 cooling = answer.code is Code.COOLDOWN
                 if cooling:
                     run.skipped[candidate.key] = answer.retry_after
-                log.info(
+                self.log.info(
                     "model_skipped" if cooling else "candidate_refused",
                     task_id=task.id,
                     candidate=candidate.key,
@@ -175,7 +178,7 @@ class Runner:
             if cooled is not None and isinstance(outcome, outcomes.Succeeded):
                 # Answered, and its headers said the account has nothing left until then.
                 run.cooled[cooled.key] = cooled.until
-                log.info(
+                self.log.info(
                     "model_cooldown_set",
                     task_id=task.id,
                     model=cooled.key,
@@ -184,7 +187,7 @@ class Runner:
                 )
             match outcome:
                 case outcomes.Succeeded(text=text, usage=usage):
-                    log.debug("call_ok", task_id=task.id, candidate=candidate.key)
+                    self.log.debug("call_ok", task_id=task.id, candidate=candidate.key)
                     detail = outcome.detail(candidate.model)
                     run.decision = policy.Complete(text, candidate.model, usage, detail)
                     return run
@@ -195,7 +198,7 @@ class Runner:
                     why = f"{cooled.key} cools down: the call answered {answered}"
                     cooldown = Refusal(Code.COOLDOWN, cooled.until, why, "cooldown")
                     run.refusals[candidate.key] = cooldown.as_dict(self.clock())
-                    log.info(
+                    self.log.info(
                         "model_cooldown_set",
                         task_id=task.id,
                         model=cooled.key,
@@ -203,7 +206,7 @@ class Runner:
                         detail=outcome.detail,
                     )
                 case outcomes.AuthFailed(detail=detail):
-                    log.warning(
+                    self.log.warning(
                         "credential_refused",
                         task_id=task.id,
                         candidate=candidate.key,
@@ -211,7 +214,7 @@ class Runner:
                     )
                     refused.append(f"{candidate.key}: {detail}")
                 case outcomes.Failed():
-                    log.info(
+                    self.log.info(
                         "call_failed",
                         task_id=task.id,
                         candidate=candidate.key,
