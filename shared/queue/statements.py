@@ -296,12 +296,17 @@ def action_of(decision: Decision) -> str:
             return "release"
 
 
+#: A result detail as stored (made once: ``json.dumps`` with options makes an encoder
+#: at every call).
+_DETAIL_JSON = json.JSONEncoder(ensure_ascii=False)
+
+
 def settle_params(decision: Decision) -> tuple[str, dict[str, Any]]:
     """The transition a decision makes and its statement's parameters."""
     match decision:
         case Complete(result=result, model=model, detail=detail):
             note = f"model={model}" if model is not None else None
-            shown = None if detail is None else json.dumps(detail, ensure_ascii=False)
+            shown = None if detail is None else _DETAIL_JSON.encode(detail)
             return "complete", {"p_result": result, "p_note": note, "p_detail": shown}
         case Pause():
             return "pause", {

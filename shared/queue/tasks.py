@@ -56,6 +56,11 @@ class TaskSpec:
         validate(self)
 
 
+#: A payload as measured and checked (made once: ``json.dumps`` with options makes an
+#: encoder at every call).
+_PAYLOAD_JSON = json.JSONEncoder(allow_nan=False, ensure_ascii=False)
+
+
 def validate(spec: TaskSpec) -> None:
     """Raise InvalidTask with one readable line when ``spec`` cannot be enqueued."""
     for label, text in (
@@ -91,7 +96,7 @@ def validate(spec: TaskSpec) -> None:
     if nesting > HARD_MAX_DEPTH:
         raise InvalidTask(f"the payload nests deeper than {HARD_MAX_DEPTH} levels")
     try:
-        encoded = json.dumps(spec.payload, allow_nan=False, ensure_ascii=False)
+        encoded = _PAYLOAD_JSON.encode(spec.payload)
     except (TypeError, ValueError) as exc:
         raise InvalidTask(f"the payload is not JSON: {exc}") from None
     _unicode("payload", encoded)
