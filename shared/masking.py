@@ -49,13 +49,7 @@ def register(values: Iterable[str | None]) -> None:
 
 def register_config(catalog: Any, environ: Mapping[str, str], database_url: str | None) -> None:
     """The values of every key variable the catalog names, and the database password."""
-    names = {
-        account.key_env
-        for provider in catalog.providers.values()
-        for account in provider.accounts
-        if account.key_env
-    }
-    values = [environ.get(name) for name in names]
+    values = [environ.get(name) for name in catalog.key_variables()]
     if database_url:
         values += _passwords(database_url)
     register(values)

@@ -47,7 +47,7 @@ from agentbus.admission.gates import (
     refuse,
 )
 from agentbus.admission.limits import Limits
-from agentbus.admission.routing import Candidate, Resolution, fingerprint, resolve
+from agentbus.admission.routing import Candidate, KeptResolutions, Resolution, fingerprint
 from agentbus.catalog import Catalog
 from agentbus.config import Config, LiveConfig, Settings
 from agentbus.db import Database, dialect_insert
@@ -125,7 +125,7 @@ class Admission:
         self.cache_sec = cache_sec
         self._read_at: float | None = None
         self._unusable: set[tuple[str, str, str]] = set()
-        self._resolved = _Resolved(None, None, ())
+        self._resolutions = KeptResolutions()
         # A reloaded config applies at the next call: windows, slots and circuits
         # live on in the database, keyed by the names the config gives.
         self.live = config if isinstance(config, LiveConfig) else LiveConfig(config, watch=False)
@@ -144,24 +144,17 @@ class Admission:
     def resolve(
         self, *, models: tuple[str, ...] | None, role: str | None, agent: str
     ) -> Resolution:
-        """The task's candidates (``routing.resolve``). A worker resolves the same few
-        chains for every task: an answer is kept while the catalog, the refused
-        credentials and the credentials in the environment are the ones it came from."""
+        """The task's candidates (``routing.resolve``, answers kept while the catalog, the
+        refused credentials and the key variables' values stay as they were)."""
         self._refresh()
-        catalog, unusable = self.catalog, self._unusable
-        kept = self._resolved
-        if kept.catalog is not catalog or kept.unusable is not unusable:
-            kept = self._resolved = _Resolved(catalog, unusable, _key_variables(catalog))
-        environ = self.environ
-        keys = None if environ is None else tuple(environ.get(v) for v in kept.variables)
-        found = kept.answers.get((models, role, agent, keys))
-        if found is None:
-            found = resolve(
-                catalog, models=models, role=role, agent=agent, environ=environ, unusable=unusable
-            )
-            if len(kept.answers) < _RESOLVED_KEPT:
-                kept.answers[(models, role, agent, keys)] = found
-        return found
+        return self._resolutions.resolve(
+            self.catalog,
+            models=models,
+            role=role,
+            agent=agent,
+            environ=self.environ,
+            unusable=self._unusable,
+        )
 
     # -- admitting -----------------------------------------------------------
 
@@ -443,6 +436,7 @@ class Admission:
             "unusable_since": now,
         }
         self.db.write(lambda conn: conn.execute(stmt, row))
+        # Replaced, not changed in place: kept resolutions know the set by identity.
         self._unusable = {*self._unusable, (provider.name, account.name, print_)}
 
     def purge(self) -> int:
@@ -491,32 +485,6 @@ class Admission:
         accounts = self.db.read(work)
         self._unusable = {(a.provider, a.account, a.fingerprint) for a in accounts}
         self._read_at = now
-
-
-_RESOLVED_KEPT = 256  # chains whose resolution is kept (a worker runs a few)
-
-
-@dataclass
-class _Resolved:
-    """Resolutions that hold for one catalog and one set of refused credentials."""
-
-    catalog: Catalog | None
-    unusable: set[tuple[str, str, str]] | None
-    variables: tuple[str, ...]  # the key variables the catalog names
-    answers: dict[tuple[Any, ...], Resolution] = field(default_factory=dict)
-
-
-def _key_variables(catalog: Catalog) -> tuple[str, ...]:
-    return tuple(
-        sorted(
-            {
-                account.key_env
-                for provider in catalog.providers.values()
-                for account in provider.accounts
-                if account.key_env
-            }
-        )
-    )
 
 
 def _slot_refusal(answer: object) -> bool:

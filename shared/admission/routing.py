@@ -145,6 +145,47 @@ def resolve(
     return Resolution(tuple(out.values()), tuple(dict.fromkeys(left_out)))
 
 
+class KeptResolutions:
+    """``resolve`` with its answers kept: a worker resolves the same few chains for every
+    task. An answer holds while the catalog and the set of refused credentials are the
+    same objects (whoever changes either replaces it) and the key variables the catalog
+    names have the same values."""
+
+    MAX = 256  # chains kept for one catalog (a worker runs a few)
+
+    def __init__(self) -> None:
+        self._for: tuple[Catalog | None, Collection[Any] | None] = (None, None)
+        self._variables: tuple[str, ...] = ()
+        self._answers: dict[tuple[Any, ...], Resolution] = {}
+
+    def resolve(
+        self,
+        catalog: Catalog,
+        *,
+        models: tuple[str, ...] | None,
+        role: str | None,
+        agent: str,
+        environ: Mapping[str, str] | None,
+        unusable: Collection[tuple[str, str, str]],
+    ) -> Resolution:
+        if self._for[0] is not catalog or self._for[1] is not unusable:
+            self._for, self._variables, self._answers = (
+                (catalog, unusable),
+                catalog.key_variables(),
+                {},
+            )
+        keys = None if environ is None else tuple(environ.get(v) for v in self._variables)
+        asked = (models, role, agent, keys)
+        found = self._answers.get(asked)
+        if found is None:
+            found = resolve(
+                catalog, models=models, role=role, agent=agent, environ=environ, unusable=unusable
+            )
+            if len(self._answers) < self.MAX:
+                self._answers[asked] = found
+        return found
+
+
 def check_task(
     catalog: Catalog | None, *, agent: str, models: tuple[str, ...] | None, role: str | None
 ) -> None:

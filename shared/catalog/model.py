@@ -140,6 +140,19 @@ class Catalog:
     def knows(self, model: str) -> bool:
         return model.startswith(SIMULATED_PREFIX) or model in self.models
 
+    def key_variables(self) -> tuple[str, ...]:
+        """The environment variables the accounts take their keys from, sorted."""
+        return tuple(
+            sorted(
+                {
+                    account.key_env
+                    for provider in self.providers.values()
+                    for account in provider.accounts
+                    if account.key_env
+                }
+            )
+        )
+
     def model(self, model_id: str) -> ModelConfig:
         """The model's config; an unlisted ``sim/`` model belongs to the ``sim`` provider."""
         found = self.models.get(model_id)
