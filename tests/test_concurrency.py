@@ -16,6 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from agentbus.queue import TaskQueue, reads
+from agentbus.schema import call_slots
 from agentbus.schema import workers as workers_table
 from tests.support import Proc, release_two_in_flight, wait_until, waiting
 from tests.test_admission_process import (
@@ -185,5 +186,8 @@ def test_rpm_holds_across_a_concurrent_worker_and_single_slot_workers(
     ]
     assert [p.wait() for p in drained] == [0, 0, 0], [p.text()[-2000:] for p in drained]
     assert len(journal(calls)) == 10
-    assert most_in_window([c["started"] for c in journal(calls)], 4) == 10
+    admitted = queue.db.read(
+        lambda conn: conn.execute(sa.select(call_slots.c.admitted_at)).scalars().all()
+    )
+    assert len(admitted) == 10 and most_in_window(admitted, 4) == 10
     assert Counter(statuses(queue.db, ids).values()) == {"done": 10, "paused": 15}
