@@ -6,8 +6,11 @@ status (``EXIT_STATUSES``); anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -66,13 +69,46 @@ def _database_gone(exc: Exception) -> TypeGuard[OperationalError]:
 
 
 def on_stop_signals(stop: Callable[[str], None]) -> None:
-    """Call ``stop(signal name)`` on SIGTERM and SIGINT (services stop cleanly on either)."""
+    """Call ``stop(signal name)`` on SIGTERM and SIGINT (services stop cleanly on either),
+    from a thread of its own (the last ``stop`` given is the one called)."""
+    _stop_signals.install(stop)
 
-    def handler(signum: int, _frame: FrameType | None) -> None:
-        stop(signal.Signals(signum).name)
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+class _StopSignals:
+    """A Python signal handler runs in the main thread between two of its bytecodes,
+    perhaps while that thread holds a lock: the lock of an ``Event`` it is waiting on,
+    of a stream it writes. A handler that takes such a lock, as ``Event.set`` does,
+    waits for its own thread forever. So the handler only writes the signal's number
+    to a pipe, which takes no lock, and a thread reads it and calls ``stop``."""
+
+    def __init__(self) -> None:
+        self.stop: Callable[[str], None] | None = None
+        self._write_fd: int | None = None
+
+    def install(self, stop: Callable[[str], None]) -> None:
+        self.stop = stop
+        if self._write_fd is None:
+            read_fd, self._write_fd = os.pipe()
+            os.set_blocking(self._write_fd, False)
+            threading.Thread(
+                target=self._deliver, args=(read_fd,), name="signals", daemon=True
+            ).start()
+        signal.signal(signal.SIGTERM, self._handler)
+        signal.signal(signal.SIGINT, self._handler)
+
+    def _handler(self, signum: int, _frame: FrameType | None) -> None:
+        assert self._write_fd is not None
+        with contextlib.suppress(BlockingIOError):  # a full pipe: this one adds nothing
+            os.write(self._write_fd, bytes([signum]))
+
+    def _deliver(self, read_fd: int) -> None:
+        while True:
+            for signum in os.read(read_fd, 64):
+                if self.stop is not None:
+                    self.stop(signal.Signals(signum).name)
+
+
+_stop_signals = _StopSignals()
 
 
 def _one_line(text: str) -> str:

@@ -89,7 +89,7 @@ class SweeperService:
         )
 
     def run(self) -> None:
-        """Run until ``stop()`` (a signal handler calls it)."""
+        """Run until ``stop()`` (called on SIGTERM or SIGINT)."""
         now = datetime.now(UTC)
         self.scheduler.add_job(
             self._guard(self._full_pass),

@@ -157,6 +157,48 @@ def test_sigterm_lets_a_short_call_finish(
     assert queue.get(task_id).status == "done"
 
 
+STOP_WHILE_A_LOCK_IS_HELD = """
+import os, signal, threading
+from agentbus.cli import on_stop_signals
+
+lock = threading.Lock()  # as the lock of an Event the main thread is waiting on
+seen = []
+delivered = threading.Event()
+
+def stop(name):
+    got = lock.acquire(timeout=20)  # in the main thread, with the lock held: never
+    seen.append((name, threading.current_thread().name, got))
+    if got:
+        lock.release()
+    delivered.set()
+
+on_stop_signals(stop)
+with lock:
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(1000):  # bytecodes run with the lock held: a handler may run here
+        pass
+delivered.wait(60)
+print(seen)
+"""
+
+
+def test_a_stop_signal_is_acted_on_outside_the_signal_handler() -> None:
+    """A signal handler runs in the main thread at any bytecode, maybe while that thread
+    holds a lock the stop needs (a worker idle in ``Event.wait`` holds the event's
+    between its waits): acting there would wait on itself forever."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", STOP_WHILE_A_LOCK_IS_HELD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.strip() == "[('SIGTERM', 'signals', True)]", out.stderr
+
+
 def test_sigterm_releases_a_call_that_outlives_the_grace(
     db_url: str, queue: TaskQueue, spawn: Spawn, tmp_path: Path
 ) -> None:

@@ -126,8 +126,8 @@ class Worker:
         self._watchdog = Watchdog(self)
 
     def request_stop(self, reason: str = "signal") -> None:
-        """Ask the worker to stop. Safe in a signal handler: it only records the reason
-        and sets an event (no logging, no I/O, no lock); the loop says it noticed."""
+        """Ask the worker to stop (from any thread: the signals thread on SIGTERM): it
+        records the reason and wakes the loop, which says it noticed."""
         if self._stop_reason is None:
             self._stop_reason = reason
         self.stopping.set()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
 from typing import Any
 
@@ -134,7 +133,7 @@ def serve_cmd(
         raise BusError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     bound = server.server_address[1]
     # Before saying it serves: whoever reads that line may stop it at once.
-    cli.on_stop_signals(lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    cli.on_stop_signals(lambda _signal: server.shutdown())
     if not serve.is_loopback(host):
         click.echo(
             f"busctl: warning: serving on {host}, beyond this machine, without authentication: "
