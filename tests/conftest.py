@@ -196,7 +196,9 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
         clean = clean_env()
         exe = str(Path(sys.executable).with_name(program))
         proc = Proc(
-            [exe, *args], {**clean, **(env or {})}, str(tmp_path / f"{program}-{next(counter)}.log")
+            [exe, *args],
+            {**clean, "PYTHONFAULTHANDLER": "1", **(env or {})},
+            str(tmp_path / f"{program}-{next(counter)}.log"),
         )
         started.append(proc)
         return proc

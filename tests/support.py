@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,8 +66,21 @@ class Proc:
         self.popen = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait(self, timeout: float = 60) -> int:
+        """The exit status; a process still running after ``timeout`` is made to print
+        where each of its threads is (``faulthandler``, on SIGABRT) and the test fails
+        with the end of its log."""
+        import subprocess
+
         try:
             return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.send_signal(signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(10)
+            raise AssertionError(
+                f"{self.popen.args[0]} still ran after {timeout}s; its log ends:\n"
+                + self.text()[-6000:]
+            ) from None
         finally:
             self._log.close()
 
