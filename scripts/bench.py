@@ -2,7 +2,9 @@
 """agentbus benchmark: prints a table of figures; asserts nothing.
 
 Workload (per backend):
-- enqueue, single: N calls of ``TaskQueue.enqueue`` (one transaction each).
+- enqueue, single: N calls of ``TaskQueue.enqueue`` (one transaction each); on
+  SQLite also the same statements on a bare ``sqlite3`` connection, no Python
+  between: the rate the write set of an enqueue allows.
 - enqueue, batch: ``TaskQueue.enqueue_many`` in batches of 500.
 - cooldown check: ``CooldownStore.cooling`` of a 3-model chain with 50 active
   cooldowns, through the 1 s cache and with no cache (one read each time).
@@ -151,6 +153,9 @@ def throughput(url: str, synchronous: str, processes: int, batch: int, tasks: in
 def bench_enqueue(queue: TaskQueue, single: int, batched: int) -> list[tuple[str, str]]:
     secs = timed(lambda: [queue.enqueue(spec(i)) for i in range(single)])
     rows = [("enqueue, single", f"{single / secs:,.0f} tasks/s")]
+    if queue.db.dialect == "sqlite":
+        rate = enqueue_floor(queue, single)
+        rows.append(("enqueue, single, its statements alone (sqlite3)", f"{rate:,.0f} tasks/s"))
     secs = timed(
         lambda: [
             queue.enqueue_many([spec(i) for i in range(s, s + 500)]) for s in range(0, batched, 500)
@@ -158,6 +163,42 @@ def bench_enqueue(queue: TaskQueue, single: int, batched: int) -> list[tuple[str
     )
     rows.append(("enqueue, batch of 500", f"{batched / secs:,.0f} tasks/s"))
     return rows
+
+
+def enqueue_floor(queue: TaskQueue, single: int) -> float:
+    """SQLite: the write set of one enqueue, its task row and its event in one ``BEGIN
+    IMMEDIATE`` transaction, on a bare ``sqlite3`` connection with the same journal and
+    synchronous settings, no Python between (its parameters made ahead): the rate
+    that write set allows, whatever the code around it."""
+    import sqlite3
+
+    from agentbus.queue import events
+    from agentbus.queue.statements import ENQUEUE_ONE, INSERT_EVENT
+
+    db = queue.db
+    path = db.sqlite_path()
+    assert path is not None
+    now = time.time()
+    row = queue._row(spec(0), now)
+    insert = db.prepared(ENQUEUE_ONE)
+    task = insert.params({f"p_{k}": v for k, v in row.items()})
+    event = db.prepared(INSERT_EVENT)
+    _task_id, *rest = event.params(events.event(0, None, "queued", now, reason="enqueue"))
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        level = db.read(lambda c: c.exec_driver_sql("PRAGMA synchronous").scalar())
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={int(level)}")
+
+        def one() -> None:
+            conn.execute("BEGIN IMMEDIATE")
+            task_id = conn.execute(insert.sql, task).fetchone()[0]
+            conn.execute(event.sql, [task_id, *rest])  # the task's id comes first
+            conn.execute("COMMIT")
+
+        return single / timed(lambda: [one() for _ in range(single)])
+    finally:
+        conn.close()
 
 
 def bench_cooldowns(db: Database) -> list[tuple[str, str]]:
