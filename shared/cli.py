@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from datetime import UTC, datetime
 from types import FrameType
@@ -104,8 +105,12 @@ class _StopSignals:
     def _deliver(self, read_fd: int) -> None:
         while True:
             for signum in os.read(read_fd, 64):
-                if self.stop is not None:
+                if self.stop is None:
+                    continue
+                try:
                     self.stop(signal.Signals(signum).name)
+                except Exception:  # a bug, shown; the next signal is still acted on
+                    traceback.print_exc()
 
 
 _stop_signals = _StopSignals()

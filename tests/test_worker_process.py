@@ -199,6 +199,44 @@ def test_a_stop_signal_is_acted_on_outside_the_signal_handler() -> None:
     assert out.stdout.strip() == "[('SIGTERM', 'signals', True)]", out.stderr
 
 
+STOP_THAT_FAILS_ONCE = """
+import os, signal, threading
+from agentbus.cli import on_stop_signals
+
+calls = []
+second = threading.Event()
+
+def stop(name):
+    calls.append(name)
+    if len(calls) == 1:
+        raise RuntimeError("a bug in the first stop")
+    second.set()
+
+on_stop_signals(stop)
+os.kill(os.getpid(), signal.SIGTERM)
+while not calls:  # the first one was acted on (and failed)
+    pass
+os.kill(os.getpid(), signal.SIGINT)
+second.wait(60)
+print(calls)
+"""
+
+
+def test_a_stop_that_fails_is_shown_and_the_next_signal_still_heard() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", STOP_THAT_FAILS_ONCE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.strip() == "['SIGTERM', 'SIGINT']", out.stderr
+    assert "RuntimeError: a bug in the first stop" in out.stderr
+
+
 def test_sigterm_releases_a_call_that_outlives_the_grace(
     db_url: str, queue: TaskQueue, spawn: Spawn, tmp_path: Path
 ) -> None:
