@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -157,6 +159,14 @@ def test_sigterm_lets_a_short_call_finish(
     assert queue.get(task_id).status == "done"
 
 
+def run_python(script: str) -> subprocess.CompletedProcess[str]:
+    """``script`` run by this interpreter in a process of its own (signals sent there
+    reach no test runner)."""
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+
+
 STOP_WHILE_A_LOCK_IS_HELD = """
 import os, signal, threading
 from agentbus.cli import on_stop_signals
@@ -186,16 +196,7 @@ def test_a_stop_signal_is_acted_on_outside_the_signal_handler() -> None:
     """A signal handler runs in the main thread at any bytecode, maybe while that thread
     holds a lock the stop needs (a worker idle in ``Event.wait`` holds the event's
     between its waits): acting there would wait on itself forever."""
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-c", STOP_WHILE_A_LOCK_IS_HELD],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    out = run_python(STOP_WHILE_A_LOCK_IS_HELD)
     assert out.stdout.strip() == "[('SIGTERM', 'signals', True)]", out.stderr
 
 
@@ -223,16 +224,7 @@ print(calls)
 
 
 def test_a_stop_that_fails_is_shown_and_the_next_signal_still_heard() -> None:
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-c", STOP_THAT_FAILS_ONCE],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    out = run_python(STOP_THAT_FAILS_ONCE)
     assert out.stdout.strip() == "['SIGTERM', 'SIGINT']", out.stderr
     assert "RuntimeError: a bug in the first stop" in out.stderr
 
