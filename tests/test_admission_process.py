@@ -157,15 +157,15 @@ def test_rpm_shared_by_three_workers_pauses_until_the_window_frees(
     procs = [*workers(spawn, db_url, env, 3), spawn("sweeper", "--db", db_url, env=env)]
     wait_until(lambda: set(statuses(db, ids).values()) == {"done"}, timeout=90)
     stop(procs)
-    # Each task was called once, each call under an admission of its own, and no window
-    # of 4 s ever held more than 10 admissions. (When a call reaches the provider after
-    # its admission depends on the scheduler: the admissions are what the limit counts.)
+    # Each task was called once, and no window of 4 s ever held more than 10 admissions.
+    # (When a call reaches the provider after its admission is up to the scheduler: the
+    # admissions are what the limit counts. The sweeper purges those older than every
+    # window, so the rows left are checked, not counted.)
     assert sorted(c["task_id"] for c in journal(calls)) == sorted(ids)
-    admissions = db.read(
-        lambda conn: conn.execute(sa.select(call_slots.c.task_id, call_slots.c.admitted_at)).all()
+    admitted = db.read(
+        lambda conn: conn.execute(sa.select(call_slots.c.admitted_at)).scalars().all()
     )
-    assert sorted(task_id for task_id, _ in admissions) == sorted(ids)
-    assert most_in_window([at for _, at in admissions], 4) <= 10
+    assert most_in_window(admitted, 4) <= 10
 
 
 CONCURRENCY = """
