@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,8 +60,6 @@ class Proc:
     """A real agentbus process (worker, sweeper) whose log goes to a file."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log_path: str) -> None:
-        import subprocess
-
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in wait()
         self.popen = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -69,8 +68,6 @@ class Proc:
         """The exit status; a process still running after ``timeout`` is made to print
         where each of its threads is (``faulthandler``, on SIGABRT) and the test fails
         with the end of its log."""
-        import subprocess
-
         try:
             return self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
