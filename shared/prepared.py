@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -103,13 +103,14 @@ class Prepared:
     def fetch(self, cursor: Any) -> list[tuple[Any, ...]]:
         """The cursor's rows as the driver gives them (``read`` or ``dicts`` them later,
         say once a transaction is over)."""
+        rows = list(cursor.fetchall())
         if self._results is None:  # the driver's column types are known now
             processors = [
                 type_.result_processor(self._dialect, described[1])
                 for type_, described in zip(self._types, cursor.description, strict=True)
             ]
             self._results = [(i, p) for i, p in enumerate(processors) if p is not None]
-        return list(cursor.fetchall())
+        return rows
 
     def read(self, fetched: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """Rows from ``fetch``, each value as SQLAlchemy would read it."""
@@ -154,9 +155,44 @@ def _inline_constants(statement: Any, dialect: sa.Dialect) -> Any:
     return visitors.replacement_traverse(statement, opts, inline)
 
 
-def _raw_cursor(conn: Connection, binary_arrays: bool = False) -> Any:
+def at_once(
+    conn: Connection, steps: Sequence[tuple[Prepared, Mapping[str, Any]]]
+) -> list[list[tuple[Any, ...]]]:
+    """PostgreSQL: ``steps`` as one transaction in one round trip, on a connection in
+    autocommit (``Pinned.write_one``'s): ``BEGIN``, the statements and ``COMMIT`` go to
+    the server together (psycopg's pipeline mode) and their results come back together.
+    The server still runs each statement once the one before it has ended, in a
+    snapshot of its own: a lock the first takes holds for the next. Returns each step's
+    rows, read. An error rolls the whole transaction back (the statements after it are
+    skipped, the COMMIT with them) and is raised as SQLAlchemy raises it; the caller
+    then drops the connection (its transaction is left aborted)."""
+    params = [statement.params(values) for statement, values in steps]
+    cursors = [_raw_cursor(conn, s._binary_arrays, slot=i) for i, (s, _) in enumerate(steps)]
+    commands = _raw_cursor(conn, slot="commands")
+    driver: Any = conn.connection.driver_connection
+    with _as_sqlalchemy_errors(conn, steps[-1][0].sql, params[-1]):
+        with driver.pipeline():
+            commands.execute("BEGIN")
+            for cursor, (statement, _), values in zip(cursors, steps, params, strict=True):
+                cursor.execute(statement.sql, values, prepare=True)
+            commands.execute("COMMIT")
+        return [s.read(s.fetch(c)) for c, (s, _) in zip(cursors, steps, strict=True)]
+
+
+def can_run_at_once(dialect: sa.Dialect) -> bool:
+    """Whether ``at_once`` runs on this engine's connections: PostgreSQL, through a libpq
+    with pipeline mode (14 or newer)."""
+    if dialect.name != "postgresql":
+        return False
+    import psycopg
+
+    return bool(psycopg.Pipeline.is_supported())
+
+
+def _raw_cursor(conn: Connection, binary_arrays: bool = False, slot: int | str = 0) -> Any:
     """psycopg's cursor for ``$n`` placeholders, on the connection ``conn`` holds (with
-    ``binary_arrays``, sending Python lists as binary arrays).
+    ``binary_arrays``, sending Python lists as binary arrays; ``slot``: one of several
+    whose results are read together, ``at_once``).
 
     Made once per database connection and kept with it (in the pool's ``info`` of the
     connection, which goes when the connection goes): a new cursor per execution
@@ -164,12 +200,14 @@ def _raw_cursor(conn: Connection, binary_arrays: bool = False) -> Any:
     and its result's loaders looked up again). Callers read a cursor before they
     run the next statement."""
     driver = conn.connection.driver_connection
-    kept: dict[bool, Any] = conn.connection.info.setdefault("agentbus_raw_cursors", {})
-    cursor = kept.get(binary_arrays)
+    kept: dict[tuple[bool, int | str], Any]
+    kept = conn.connection.info.setdefault("agentbus_raw_cursors", {})
+    cursor = kept.get((binary_arrays, slot))
     if cursor is None or cursor.connection is not driver or cursor.closed:
         import psycopg  # only ever here for a postgresql:// URL
 
-        cursor = kept[binary_arrays] = psycopg.RawCursor(driver)  # type: ignore[arg-type]
+        cursor = psycopg.RawCursor(driver)  # type: ignore[arg-type]
+        kept[binary_arrays, slot] = cursor
         if binary_arrays:
             from psycopg.types.array import ListBinaryDumper
 

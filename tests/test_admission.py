@@ -19,7 +19,7 @@ from agentbus.admission.slots import LOCK_CLASS, lock_gates
 from agentbus.config import Config, LiveConfig, load_config
 from agentbus.db import Database
 from agentbus.providers.outcomes import Failed, RateLimited, Succeeded
-from agentbus.schema import model_cooldown
+from agentbus.schema import call_slots, model_cooldown
 from tests.support import FakeClock
 
 CONFIG = """
@@ -152,6 +152,35 @@ def test_windows_admit_exactly_as_a_sliding_log_would_over_a_long_run(
         if n % 50 == 49:
             adm.purge()
     assert 100 < len(admitted) < 400  # the window both admitted and refused along the way
+
+
+def test_a_clock_behind_a_window_stamps_its_call_with_the_windows_newest_time(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    """A process whose clock reads behind the newest call of a window (another host's
+    clock ahead of its own; on PostgreSQL, the clock is read before the gates' locks
+    are granted): its call is stamped with that newest time, so a window's times keep
+    their calls' order, which its count by number relies on."""
+    adm = admission(db, clock, config(tmp_path, rpm=3, agent_rate=3))
+    a = candidate(adm)
+    first = clock.now
+    for at in (first, first + 30, first + 10):  # the third reads 20 s behind
+        clock.now = at
+        permit = admit(adm, a)
+        assert isinstance(permit, Permit)
+        permit.__exit__(None, None, None)
+    stamped = db.read(
+        lambda conn: (
+            conn.execute(sa.select(call_slots.c.admitted_at).order_by(call_slots.c.id))
+            .scalars()
+            .all()
+        )
+    )
+    assert stamped == [first, first + 30, first + 30]
+    clock.now = first + 60.5  # the first call has left the window: one more fits
+    assert isinstance(admit(adm, a), Permit)
+    refusal = admit(adm, a)  # the window now holds the second, the third and the fourth
+    assert isinstance(refusal, Refusal) and refusal.retry_after == pytest.approx(first + 90)
 
 
 def test_agent_rate_is_shared_by_all_its_workers(

@@ -12,8 +12,9 @@ It is the only writer of call_slots and account_state.
 Cheap refusals come from per-process caches refreshed every ``cache_sec``
 (cooldowns, open circuits). A candidate with no limit configured is admitted
 without touching the database; otherwise one transaction checks every
-limited gate and takes the slot (Postgres: under one advisory lock, SQLite:
-``BEGIN IMMEDIATE``), so two processes never both take the last slot.
+limited gate and takes the slot (PostgreSQL: under a lock per gate, in one
+round trip; SQLite: ``BEGIN IMMEDIATE``), so two processes never both take
+the last slot.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from agentbus.catalog import Catalog
 from agentbus.config import Config, LiveConfig, Settings
 from agentbus.db import Database, dialect_insert
 from agentbus.logging import get_logger
-from agentbus.prepared import prepared
+from agentbus.prepared import at_once, can_run_at_once, prepared
 from agentbus.providers.outcomes import AuthFailed, Outcome, RateLimited, Succeeded, TimedOut, Usage
 from agentbus.schema import account_state, call_slots
 
@@ -111,6 +112,8 @@ class Admission:
         cache_sec: float = 1.0,
     ) -> None:
         self.db = db
+        # PostgreSQL: a limited admission is one round trip (``_take_at_once``).
+        self._at_once = can_run_at_once(db.engine.dialect)
         self.worker = worker
         self.cooldowns = cooldowns
         # A workspace budget may be switched on at any time (busctl budget set); a
@@ -272,10 +275,65 @@ class Admission:
         if not limited and verdict == "ok":
             return Permit(self, c, None, False, gates) if take else None
 
+        if take and limits.slot and gates.get("circuit", "ok") == "ok" and self._at_once:
+            return self.db.pinned.write_one(
+                lambda conn: self._take_at_once(conn, c, agent, task_id, lease_sec, limits, gates)
+            )
+
         def work(conn: Connection) -> Permit | Refusal | Admissible:
             return self._check(conn, c, agent, task_id, lease_sec, limits, gates, take)
 
         return self.db.pinned.write(work) if take else self.db.read(work)
+
+    def _take_at_once(
+        self,
+        conn: Connection,
+        c: Candidate,
+        agent: str,
+        task_id: int | None,
+        lease_sec: float,
+        limits: Limits,
+        gates: dict[str, Any],
+    ) -> Permit | Refusal:
+        """PostgreSQL, with no circuit to read: lock the gates, count them and take the slot
+        if every one admits, as one transaction in one round trip (``prepared.at_once``;
+        the statement decides as ``Limits.read`` does, which then says why it refused)."""
+        circuit = [f"circuit:{c.provider}"] if "circuit" in gates else []
+        lock = slots.lock_step(conn.dialect, [*limits.lock_keys(c, agent), *circuit])
+        slot_gates, windows, _, budgets = limits.shape(take=True)
+        take = prepared(conn.dialect, slots.take_if_admitted(slot_gates, windows, budgets))
+        now = self.clock()
+        params = limits.params(c, agent, now) | self._slot_values(c, agent, task_id, now, lease_sec)
+        row = at_once(conn, [*([lock] if lock else []), (take, params)])[-1][0]
+        *counts, admitted_at, slot_id = row
+        recheck = admitted_at + self.settings.admission_recheck_sec
+        refusals, _ = limits.read(counts, c, agent, admitted_at, gates, take=True, recheck=recheck)
+        if (slot_id is None) != bool(refusals):  # a bug: the two readings must agree
+            raise RuntimeError(
+                f"admission of {c.key}: the statement {'refused' if slot_id is None else 'took'}"
+                f" a slot its counts {'admit' if not refusals else 'refuse'} ({gates})"
+            )
+        if slot_id is None:
+            refused = refuse(refusals, gates)
+            assert refused is not None
+            return refused
+        return Permit(self, c, slot_id, False, gates)
+
+    def _slot_values(
+        self, c: Candidate, agent: str, task_id: int | None, now: float, lease_sec: float
+    ) -> dict[str, Any]:
+        """A slot's row (with ``Limits.params``: ``slots.take``'s parameters)."""
+        return {
+            "p_now": now,
+            "provider": c.provider,
+            "account": c.account,
+            "model": c.model,
+            "agent": agent,
+            "bulkhead": c.bulkhead,
+            "task_id": task_id,
+            "worker": self.worker,
+            "lease_until": now + lease_sec,
+        }
 
     def _check(
         self,
@@ -315,17 +373,9 @@ class Admission:
         slot_id = None
         if limits.slot:
             slot = prepared(conn.dialect, slots.take(tuple(limits.window_limits)))
-            params = {
-                "provider": c.provider,
-                "account": c.account,
-                "model": c.model,
-                "agent": agent,
-                "bulkhead": c.bulkhead,
-                "task_id": task_id,
-                "worker": self.worker,
-                "admitted_at": now,
-                "lease_until": now + lease_sec,
-            }
+            params = limits.params(c, agent, now) | self._slot_values(
+                c, agent, task_id, now, lease_sec
+            )
             slot_id = slot.tuples(slot.execute(conn, params))[0][0]
         return Permit(self, c, slot_id, probe, gates)
 

@@ -6,7 +6,7 @@ is plain data (``Limits.of``); ``check`` turns the counts into refusals."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,9 +104,38 @@ class Limits:
         """The refusals of the limited gates, and the room each leaves (calls that fit now;
         windows count theirs only when not ``take``-ing: the sweeper's question). ``gates``
         gets each gate's result for the routing history."""
-        refusals: list[Refusal] = []
-        rooms: list[int] = []
-        slots_gates = [
+        statement = prepared(conn.dialect, counts_statement(*self.shape(take)))
+        answers = statement.tuples(statement.execute(conn, self.params(c, agent, now)))[0]
+        return self.read(answers, c, agent, now, gates, take=take, recheck=recheck)
+
+    def shape(self, take: bool) -> tuple[tuple[str, ...], tuple[str, ...], bool, bool]:
+        """Which gates ``counts_statement`` counts (its arguments)."""
+        slot_gates = tuple(gate for gate, _, _ in self._slot_gates())
+        return slot_gates, tuple(self.window_limits), take, bool(self.tokens or self.cost)
+
+    def params(self, c: Candidate, agent: str, now: float) -> dict[str, Any]:
+        """The parameters of ``counts_statement``, and each gate's limit (``p_<gate>_limit``,
+        ``p_tokens_limit``, ``p_cost_limit``: what ``slots.take_if_admitted`` compares with)."""
+        params: dict[str, Any] = {
+            "p_now": now,
+            "p_provider": c.provider,
+            "p_account": c.account,
+            "p_bulkhead": self.bulkhead[0] if self.bulkhead else None,
+            "p_agent": agent,
+            "p_day": day_of(now),
+            "p_tokens_limit": self.tokens,
+            "p_cost_limit": self.cost,
+        }
+        for gate, _, limit in self._slot_gates():
+            params[f"p_{gate}_limit"] = limit
+        for gate, (limit, window) in self.window_limits.items():
+            params[f"p_{gate}_since"], params[f"p_{gate}_window"] = now - window, window
+            params[f"p_{gate}_offset"] = limit - 1
+        return params
+
+    def _slot_gates(self) -> list[tuple[str, Code, int]]:
+        """The gates that count slots in flight, with their refusal code and limit."""
+        return [
             (gate, code, limit)
             for gate, code, limit in (
                 ("concurrency", Code.CONCURRENCY_FULL, self.global_concurrency),
@@ -115,34 +144,30 @@ class Limits:
             )
             if limit
         ]
-        windows = [(gate, *limit) for gate, limit in self.window_limits.items()]
-        budgets = bool(self.tokens or self.cost)
-        params: dict[str, Any] = {
-            "p_now": now,
-            "p_provider": c.provider,
-            "p_account": c.account,
-            "p_bulkhead": self.bulkhead[0] if self.bulkhead else None,
-            "p_agent": agent,
-            "p_day": day_of(now),
-        }
-        for gate, limit, window in windows:
-            params[f"p_{gate}_since"], params[f"p_{gate}_offset"] = now - window, limit - 1
-        shape = (
-            tuple(g for g, _, _ in slots_gates),
-            tuple(g for g, _, _ in windows),
-            take,
-            budgets,
-        )
-        statement = prepared(conn.dialect, counts_statement(*shape))
-        answers = iter(statement.tuples(statement.execute(conn, params))[0])
-        for gate, code, limit in slots_gates:
+
+    def read(
+        self,
+        row: Sequence[Any],
+        c: Candidate,
+        agent: str,
+        now: float,
+        gates: dict[str, Any],
+        *,
+        take: bool,
+        recheck: float,
+    ) -> tuple[list[Refusal], list[int]]:
+        """``check``'s answer from the row of ``counts_statement``."""
+        refusals: list[Refusal] = []
+        rooms: list[int] = []
+        answers = iter(row)
+        for gate, code, limit in self._slot_gates():
             used = int(next(answers))
             gates[gate] = f"{used}/{limit}"
             rooms.append(limit - used)
             if used >= limit:
                 detail = f"{gate}: {used}/{limit} calls in flight"
                 refusals.append(Refusal(code, recheck, detail, gate))
-        for gate, limit, window in windows:
+        for gate, (limit, window) in self.window_limits.items():
             free_at = window_free_at(next(answers), window, now)
             gates[gate] = "ok" if free_at is None else "refused"
             if not take:
@@ -225,7 +250,19 @@ def counts_statement(
 ) -> sa.Select[Any]:
     """Every count the gates of one shape need, in one statement: one round trip however
     many gates apply (built once per shape; the values are bind parameters)."""
-    asked: list[sa.ColumnElement[Any]] = []
+    asked = count_columns(slot_gates, windows, take, budgets, _P_NOW)
+    return sa.select(*asked) if asked else sa.select(sa.literal(1))
+
+
+def count_columns(
+    slot_gates: tuple[str, ...], windows: tuple[str, ...], take: bool, budgets: bool, now: Any
+) -> list[Any]:
+    """``counts_statement``'s columns, each named after its gate: the slots in flight
+    (``<gate>``); a window's limit-th newest call while it is in the window at ``now``,
+    NULL otherwise (``<gate>_nth``: compared as ``gates.window_free_at`` compares, so
+    both read it alike); its calls (``<gate>_calls``, when not ``take``-ing); and the
+    day's ``tokens`` and ``cost``."""
+    asked: list[Any] = []
     open_slot = sa.and_(call_slots.c.released_at.is_(None), call_slots.c.lease_until > _P_NOW)
     for gate in slot_gates:
         asked.append(
@@ -233,17 +270,20 @@ def counts_statement(
             .select_from(call_slots)
             .where(open_slot, _SLOT_GATES[gate])
             .scalar_subquery()
+            .label(gate)
         )
     for gate in windows:
         since = sa.bindparam(f"p_{gate}_since", type_=sa.Float)
+        window = sa.bindparam(f"p_{gate}_window", type_=sa.Float)
         in_window = sa.and_(_WINDOWS[gate], call_slots.c.admitted_at > since)
         nth = _newest(gate, _WINDOWS[gate]) - sa.bindparam(f"p_{gate}_offset", type_=sa.Integer)
         at = call_slots.c.admitted_at
         asked.append(  # the limit-th newest call, if it is in the window: found by number
-            sa.select(sa.case((at > since, at), else_=None))
+            sa.select(sa.case((at + window > now, at), else_=None))
             .where(_WINDOWS[gate], WINDOW_SEQ[gate] == nth)
             .limit(1)
             .scalar_subquery()
+            .label(f"{gate}_nth")
         )
         if not take:
             asked.append(
@@ -251,7 +291,43 @@ def counts_statement(
                 .select_from(call_slots)
                 .where(in_window)
                 .scalar_subquery()
+                .label(f"{gate}_calls")
             )
     if budgets:
-        asked += usage.today_columns(sa.bindparam("p_day", type_=sa.Float))
-    return sa.select(*asked) if asked else sa.select(sa.literal(1))
+        tokens, cost = usage.today_columns(sa.bindparam("p_day", type_=sa.Float))
+        asked += [tokens.label("tokens"), cost.label("cost")]
+    return asked
+
+
+def admitted_now(windows: tuple[str, ...]) -> Any:
+    """SQL: an admission's time: ``p_now``, or the time of the newest call of one of its
+    ``windows`` if that is later (a clock read before the gates' locks were granted, or
+    a host's clock behind another's). A window's calls then keep their times in their
+    order, which its count by number relies on."""
+    moment: Any = _P_NOW
+    for gate in windows:
+        newest = (
+            sa.select(call_slots.c.admitted_at)
+            .where(_WINDOWS[gate], WINDOW_SEQ[gate] == _newest(gate, _WINDOWS[gate]))
+            .limit(1)
+            .scalar_subquery()
+        )
+        moment = sa.case((newest > moment, newest), else_=moment)
+    return moment
+
+
+def admits(
+    counts: Any, slot_gates: tuple[str, ...], windows: tuple[str, ...], budgets: bool
+) -> Any:
+    """SQL: every gate admits, read from ``counts`` (``counts_statement`` of that shape, as
+    a CTE) exactly as ``Limits.read`` reads it, against the limits ``Limits.params`` binds."""
+    holds: list[Any] = [
+        counts.c[gate] < sa.bindparam(f"p_{gate}_limit", type_=sa.Integer) for gate in slot_gates
+    ]
+    holds += [counts.c[f"{gate}_nth"].is_(None) for gate in windows]
+    if budgets:
+        tokens = sa.cast(sa.bindparam("p_tokens_limit", type_=sa.BigInteger), sa.BigInteger)
+        cost = sa.cast(sa.bindparam("p_cost_limit", type_=sa.Float), sa.Float)
+        holds.append(sa.or_(tokens == 0, counts.c.tokens < tokens))
+        holds.append(sa.or_(cost == 0, counts.c.cost < cost))
+    return sa.and_(*holds) if holds else sa.true()

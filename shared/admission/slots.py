@@ -16,8 +16,14 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.admission.circuit import COUNT_SUCCESS, END_RUN
-from agentbus.admission.limits import WINDOW_SEQ, next_in_window
-from agentbus.prepared import prepared
+from agentbus.admission.limits import (
+    WINDOW_SEQ,
+    admits,
+    admitted_now,
+    count_columns,
+    next_in_window,
+)
+from agentbus.prepared import Prepared, prepared
 from agentbus.schema import call_slots, circuit_calls
 
 #: PostgreSQL: an admission holds a transaction lock on each gate it counts (the
@@ -39,28 +45,56 @@ _LOCK = sa.select(
 )
 
 
-@functools.cache
-def take(windows: tuple[str, ...]) -> sa.Insert:
-    """Take a slot (the values: bind parameters named after the columns), numbered in
-    each of ``windows`` (gates of ``limits.WINDOW_SEQ``, whose locks the admission
-    holds); returns its id."""
+#: The columns an admission writes to its slot (bind parameters named after them).
+_TAKEN = ("provider", "account", "model", "agent", "bulkhead", "task_id", "worker", "lease_until")
+
+
+def _slot_values(windows: tuple[str, ...]) -> dict[str, Any]:
+    """A slot's values but its time: bind parameters, and its number in each of
+    ``windows`` (gates of ``limits.WINDOW_SEQ``, whose locks the admission holds)."""
     values: dict[str, Any] = {
-        name: sa.bindparam(name, type_=call_slots.c[name].type)
-        for name in (
-            "provider",
-            "account",
-            "model",
-            "agent",
-            "bulkhead",
-            "task_id",
-            "worker",
-            "admitted_at",
-            "lease_until",
-        )
+        name: sa.bindparam(name, type_=call_slots.c[name].type) for name in _TAKEN
     }
     for gate in windows:
         values[WINDOW_SEQ[gate].key] = next_in_window(gate, values)
+    return values
+
+
+@functools.cache
+def take(windows: tuple[str, ...]) -> sa.Insert:
+    """Take a slot, numbered in each of ``windows`` and stamped ``limits.admitted_now``
+    (parameter ``p_now``); returns its id."""
+    values = _slot_values(windows)
+    values["admitted_at"] = admitted_now(windows)
     return sa.insert(call_slots).values(values).returning(call_slots.c.id)
+
+
+@functools.cache
+def take_if_admitted(
+    slot_gates: tuple[str, ...], windows: tuple[str, ...], budgets: bool
+) -> sa.Select[Any]:
+    """PostgreSQL: the gates' counts (``limits.counts_statement``'s columns, taking), the
+    admission's time (``now``: ``limits.admitted_now``, which the counts and the slot
+    use) and, in column ``slot_id``, the slot taken when every gate admits (NULL:
+    refused), in one statement. Parameters: those of the counts, each gate's limit
+    (``Limits.params``) and the slot's values (``take``'s but ``admitted_at``). Run it
+    holding the gates' locks, taken by an earlier statement: its snapshot then holds
+    every slot taken before."""
+    moment = sa.select(admitted_now(windows).label("now")).cte("moment")
+    asked = count_columns(slot_gates, windows, True, budgets, moment.c.now)
+    counts = sa.select(*asked, moment.c.now).select_from(moment).cte("counts")
+    values = _slot_values(windows)
+    values["admitted_at"] = counts.c.now
+    typed = [sa.cast(v, call_slots.c[k].type) if k in _TAKEN else v for k, v in values.items()]
+    admitted = sa.select(*typed).where(admits(counts, slot_gates, windows, budgets))
+    taken = (
+        sa.insert(call_slots)
+        .from_select(list(values), admitted)
+        .returning(call_slots.c.id)
+        .cte("taken")
+    )
+    slot_id = sa.select(taken.c.id).scalar_subquery().label("slot_id")
+    return sa.select(*counts.c, slot_id)
 
 
 #: Give a slot back. No row matched: the lease ran out and the sweeper purged it.
@@ -84,7 +118,15 @@ RELEASE_AND_COUNT_SUCCESS_POSTGRES = END_RUN.add_cte(
 def lock_gates(conn: Connection, keys: Iterable[str]) -> None:
     """Lock the gates ``keys`` until the transaction ends (PostgreSQL; SQLite's one writer
     at a time serializes already). Always in sorted order: two admissions never deadlock."""
+    step = lock_step(conn.dialect, keys)
+    if step is not None:
+        statement, params = step
+        statement.execute(conn, params)
+
+
+def lock_step(dialect: sa.Dialect, keys: Iterable[str]) -> tuple[Prepared, dict[str, Any]] | None:
+    """``lock_gates``' statement and its parameters (None: nothing to lock)."""
     wanted = sorted(set(keys))
-    if wanted and conn.dialect.name == "postgresql":
-        lock = prepared(conn.dialect, _LOCK)
-        lock.execute(conn, {"p_lock_class": LOCK_CLASS, "p_keys": wanted}).fetchall()
+    if not wanted or dialect.name != "postgresql":
+        return None
+    return prepared(dialect, _LOCK), {"p_lock_class": LOCK_CLASS, "p_keys": wanted}
