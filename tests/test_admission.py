@@ -20,6 +20,7 @@ from agentbus.config import Config, LiveConfig, load_config
 from agentbus.db import Database
 from agentbus.providers.outcomes import Failed, RateLimited, Succeeded
 from agentbus.schema import call_slots, model_cooldown
+from tests.conftest import Backends
 from tests.support import FakeClock
 
 CONFIG = """
@@ -181,6 +182,45 @@ def test_a_clock_behind_a_window_stamps_its_call_with_the_windows_newest_time(
     assert isinstance(admit(adm, a), Permit)
     refusal = admit(adm, a)  # the window now holds the second, the third and the fourth
     assert isinstance(refusal, Refusal) and refusal.retry_after == pytest.approx(first + 90)
+
+
+def test_an_admission_whose_connection_was_dropped_is_made_once_on_a_new_one(
+    backends: Backends, clock: FakeClock, tmp_path: Path
+) -> None:
+    """PostgreSQL (an admission there is one pipelined round trip): the server drops the
+    connection a process keeps for its admissions; the next admission is retried on a
+    new connection and takes exactly one slot."""
+    url, name = backends.new("postgresql")
+    db = Database(url)
+    adm = admission(db, clock, config(tmp_path, rpm=5, concurrency=5))
+    a = candidate(adm)
+    first = admit(adm, a)
+    assert isinstance(first, Permit)
+    pids = db.read(
+        lambda conn: (
+            conn.execute(
+                sa.text(
+                    "SELECT pid FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+            )
+            .scalars()
+            .all()
+        )
+    )
+    killed = db.read(
+        lambda conn: conn.execute(
+            sa.text("SELECT count(pg_terminate_backend(pid)) FROM unnest(:pids) AS p(pid)"),
+            {"pids": pids},
+        ).scalar()
+    )
+    assert killed and killed >= 1
+    second = admit(adm, a)
+    assert isinstance(second, Permit) and second.slot_id != first.slot_id
+    taken = db.read(lambda conn: conn.execute(sa.select(sa.func.count()).select_from(call_slots)))
+    assert taken.scalar() == 2
+    db.dispose()
+    backends.drop(name)
 
 
 def test_agent_rate_is_shared_by_all_its_workers(
