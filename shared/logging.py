@@ -28,14 +28,17 @@ def configure(*, json: bool = False, level: str = "INFO") -> None:
 
     from agentbus.masking import log_processor
 
+    # No secret in any log line: every value is masked as it comes, a traceback once
+    # it is text (the level and the time, added after, are ours).
     processors: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
+        structlog.processors.format_exc_info,
+        log_processor,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer: structlog.typing.Processor
     if json:
-        processors.append(structlog.processors.format_exc_info)
         renderer = structlog.processors.JSONRenderer()
     else:
         # Plain tracebacks: a line looks the same whichever printers are installed.
@@ -43,7 +46,7 @@ def configure(*, json: bool = False, level: str = "INFO") -> None:
             colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback
         )
     structlog.configure(
-        processors=[*processors, log_processor, renderer],  # no secret in any log line
+        processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,

@@ -33,3 +33,30 @@ def test_a_process_logs_without_loading_pretty_printers_it_never_uses(tmp_path: 
     assert out.stdout.split() == ["False", "True"]
     assert "Traceback (most recent call last)" in out.stderr
     assert "ZeroDivisionError: division by zero" in out.stderr
+
+
+SECRET_IN_A_TRACEBACK = """
+import sys
+from agentbus import masking
+from agentbus.logging import configure, get_logger
+masking.register(["sk-test-0123456789abcdef"])
+configure(json=sys.argv[1] == "json")
+try:
+    raise RuntimeError("the key sk-test-0123456789abcdef was refused")
+except RuntimeError:
+    get_logger("t").exception("failed")
+"""
+
+
+def test_a_logged_traceback_is_masked_in_both_formats() -> None:
+    """A secret in an exception's message does not reach a log line through its
+    traceback, readable or JSON."""
+    for form in ("text", "json"):
+        out = subprocess.run(
+            [sys.executable, "-c", SECRET_IN_A_TRACEBACK, form],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert "RuntimeError: the key *** was refused" in out.stderr.replace("\\n", "\n"), form
+        assert "0123456789abcdef" not in out.stderr, form

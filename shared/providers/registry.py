@@ -60,11 +60,11 @@ class Providers:
 
     def check(self, payload: Mapping[str, Any], chain: tuple[str, ...]) -> None:
         """Raise InvalidTask if the payload cannot drive this chain (before any call)."""
-        from agentbus.providers.simulated import script_for
-
         for model in chain:
             config = self.catalog.model(model)
             if self.catalog.provider(config.provider).kind == "simulated":
+                from agentbus.providers.simulated import script_for
+
                 script_for(payload, model)
 
     def _get(self, name: str, make: Any) -> Provider:
