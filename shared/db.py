@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.util
+import json
 import os
 import sqlite3
 import sys
@@ -91,6 +92,16 @@ def is_transient(exc: BaseException) -> bool:
     return psycopg is not None and isinstance(orig, psycopg.OperationalError)
 
 
+_JSON_DECODE = json.JSONDecoder().decode
+
+
+def _json_loads(data: bytes | str) -> Any:
+    """PostgreSQL's JSON values as psycopg hands them over (bytes), read without
+    ``json.loads``' sniffing of their encoding: the server sends UTF-8. A claimed task's
+    payload and models go through it."""
+    return _JSON_DECODE(data.decode() if isinstance(data, bytes) else data)
+
+
 class Database:
     """One database: its engine, its dialect, and retried transactions."""
 
@@ -113,7 +124,9 @@ class Database:
                 self.url, sqlite_busy_timeout_ms, sqlite_synchronous, pool_size
             )
         else:
-            self.engine = sa.create_engine(self.url, pool_size=pool_size, max_overflow=pool_size)
+            self.engine = sa.create_engine(
+                self.url, pool_size=pool_size, max_overflow=pool_size, json_deserializer=_json_loads
+            )
         path = self.sqlite_path()
         self._writers: contextlib.AbstractContextManager[None] = (
             _WriterTurns(path) if path is not None else contextlib.nullcontext()
