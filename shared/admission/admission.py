@@ -7,7 +7,8 @@ before a call and reports the outcome to ``finish``, which releases the
 slots, counts the outcome in the provider's circuit, cools the model down on
 a rate-limited, overloaded or timed-out answer (or a success whose rate-limit
 headers say the account has nothing left), and leaves a refused credential out.
-It is the only writer of call_slots and account_state.
+It is the only writer of call_slots (its statements: ``slots``) and of
+account_state (``accounts``).
 
 Cheap refusals come from per-process caches refreshed every ``cache_sec``
 (cooldowns, open circuits). A candidate with no limit configured is admitted
@@ -26,11 +27,9 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, NamedTuple
 
-import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from agentbus import masking
-from agentbus.admission import slots
+from agentbus.admission import accounts, slots
 from agentbus.admission.budget import ClientBudget, Reserve, WorkspaceBudget
 from agentbus.admission.circuit import CircuitStore
 from agentbus.admission.cooldowns import CooldownStore
@@ -51,11 +50,10 @@ from agentbus.admission.limits import Limits
 from agentbus.admission.routing import Candidate, KeptResolutions, Resolution, fingerprint
 from agentbus.catalog import Catalog
 from agentbus.config import Config, LiveConfig, Settings
-from agentbus.db import Database, dialect_insert
+from agentbus.db import Database
 from agentbus.logging import get_logger
 from agentbus.prepared import at_once, can_run_at_once, prepared
 from agentbus.providers.outcomes import AuthFailed, Outcome, RateLimited, Succeeded, TimedOut, Usage
-from agentbus.schema import account_state, call_slots
 
 log = get_logger("agentbus.admission")
 
@@ -127,7 +125,7 @@ class Admission:
         self.sleep = sleep
         self.cache_sec = cache_sec
         self._read_at: float | None = None
-        self._unusable: set[tuple[str, str, str]] = set()
+        self._unusable: set[accounts.Unusable] = set()
         self._resolutions = KeptResolutions()
         # A reloaded config applies at the next call: windows, slots and circuits
         # live on in the database, keyed by the names the config gives.
@@ -303,7 +301,9 @@ class Admission:
         slot_gates, windows, _, budgets = limits.shape(take=True)
         take = prepared(conn.dialect, slots.take_if_admitted(slot_gates, windows, budgets))
         now = self.clock()
-        params = limits.params(c, agent, now) | self._slot_values(c, agent, task_id, now, lease_sec)
+        params = limits.params(c, agent, now) | slots.row(
+            c, agent, task_id, self.worker, now, lease_sec
+        )
         row = at_once(conn, [*([lock] if lock else []), (take, params)])[-1][0]
         *counts, admitted_at, slot_id = row
         recheck = admitted_at + self.settings.admission_recheck_sec
@@ -318,22 +318,6 @@ class Admission:
             assert refused is not None
             return refused
         return Permit(self, c, slot_id, False, gates)
-
-    def _slot_values(
-        self, c: Candidate, agent: str, task_id: int | None, now: float, lease_sec: float
-    ) -> dict[str, Any]:
-        """A slot's row (with ``Limits.params``: ``slots.take``'s parameters)."""
-        return {
-            "p_now": now,
-            "provider": c.provider,
-            "account": c.account,
-            "model": c.model,
-            "agent": agent,
-            "bulkhead": c.bulkhead,
-            "task_id": task_id,
-            "worker": self.worker,
-            "lease_until": now + lease_sec,
-        }
 
     def _check(
         self,
@@ -373,8 +357,8 @@ class Admission:
         slot_id = None
         if limits.slot:
             slot = prepared(conn.dialect, slots.take(tuple(limits.window_limits)))
-            params = limits.params(c, agent, now) | self._slot_values(
-                c, agent, task_id, now, lease_sec
+            params = limits.params(c, agent, now) | slots.row(
+                c, agent, task_id, self.worker, now, lease_sec
             )
             slot_id = slot.tuples(slot.execute(conn, params))[0][0]
         return Permit(self, c, slot_id, probe, gates)
@@ -467,27 +451,11 @@ class Admission:
         account = provider.account(candidate.account)
         if account is None or self.environ is None:
             return
-        print_ = fingerprint(provider, account, self.environ)
+        refused = (provider.name, account.name, fingerprint(provider, account, self.environ))
         now = self.clock()
-        insert = dialect_insert(self.db.dialect)(account_state)
-        stmt = insert.on_conflict_do_update(
-            index_elements=[account_state.c.provider, account_state.c.account],
-            set_={
-                "fingerprint": insert.excluded.fingerprint,
-                "reason": insert.excluded.reason,
-                "unusable_since": insert.excluded.unusable_since,
-            },
-        )
-        row = {
-            "provider": provider.name,
-            "account": account.name,
-            "fingerprint": print_,
-            "reason": masking.mask(reason)[:500],
-            "unusable_since": now,
-        }
-        self.db.write(lambda conn: conn.execute(stmt, row))
+        self.db.write(lambda conn: accounts.mark(conn, refused, reason, now))
         # Replaced, not changed in place: kept resolutions know the set by identity.
-        self._unusable = {*self._unusable, (provider.name, account.name, print_)}
+        self._unusable = {*self._unusable, refused}
 
     def purge(self) -> int:
         """Delete slots no window counts any more and circuit calls out of their window."""
@@ -497,14 +465,9 @@ class Admission:
         cutoff = now - max(windows)
 
         def work(conn: Connection) -> int:
-            gone = conn.execute(
-                sa.delete(call_slots).where(
-                    call_slots.c.admitted_at < cutoff,
-                    sa.or_(call_slots.c.released_at.is_not(None), call_slots.c.lease_until < now),
-                )
-            ).rowcount
+            gone = slots.purge(conn, cutoff, now)
             self.circuits.purge(conn, now)
-            return int(gone)
+            return gone
 
         return self.db.write(work)
 
@@ -520,20 +483,11 @@ class Admission:
         if self._read_at is not None and now - self._read_at < self.cache_sec:
             return
 
-        def work(conn: Connection) -> list[Any]:
+        def work(conn: Connection) -> set[accounts.Unusable]:
             self.circuits.load(conn)
-            return list(
-                conn.execute(
-                    sa.select(
-                        account_state.c.provider,
-                        account_state.c.account,
-                        account_state.c.fingerprint,
-                    )
-                )
-            )
+            return accounts.unusable(conn)
 
-        accounts = self.db.read(work)
-        self._unusable = {(a.provider, a.account, a.fingerprint) for a in accounts}
+        self._unusable = self.db.read(work)
         self._read_at = now
 
 

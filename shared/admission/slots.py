@@ -23,6 +23,7 @@ from agentbus.admission.limits import (
     count_columns,
     next_in_window,
 )
+from agentbus.admission.routing import Candidate
 from agentbus.prepared import Prepared, prepared
 from agentbus.schema import call_slots, circuit_calls
 
@@ -95,6 +96,36 @@ def take_if_admitted(
     )
     slot_id = sa.select(taken.c.id).scalar_subquery().label("slot_id")
     return sa.select(*counts.c, slot_id)
+
+
+def row(
+    c: Candidate, agent: str, task_id: int | None, worker: str, now: float, lease_sec: float
+) -> dict[str, Any]:
+    """The parameters of ``take`` and ``take_if_admitted`` for one call (with
+    ``Limits.params``)."""
+    return {
+        "p_now": now,
+        "provider": c.provider,
+        "account": c.account,
+        "model": c.model,
+        "agent": agent,
+        "bulkhead": c.bulkhead,
+        "task_id": task_id,
+        "worker": worker,
+        "lease_until": now + lease_sec,
+    }
+
+
+def purge(conn: Connection, cutoff: float, now: float) -> int:
+    """Delete the slots admitted before ``cutoff`` that are released or whose lease ran
+    out (no window counts them any more); returns how many."""
+    gone = conn.execute(
+        sa.delete(call_slots).where(
+            call_slots.c.admitted_at < cutoff,
+            sa.or_(call_slots.c.released_at.is_not(None), call_slots.c.lease_until < now),
+        )
+    ).rowcount
+    return int(gone)
 
 
 #: Give a slot back. No row matched: the lease ran out and the sweeper purged it.
