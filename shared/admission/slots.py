@@ -42,7 +42,12 @@ _LOCK = sa.select(
         sa.func.pg_advisory_xact_lock(
             sa.bindparam("p_lock_class", type_=sa.Integer), sa.func.hashtext(_KEYS.c.k)
         )
-    )
+    ),
+    # And, for the rest of the transaction, no bitmap scans: the counts that follow then
+    # read the open slots' index entry by entry, which marks the entries a release left
+    # behind dead as it passes them. A bitmap scan never does, and reads every released
+    # slot again until VACUUM (~1 µs each: 1.3 ms an admission after 14,000 calls).
+    sa.select(sa.func.set_config("enable_bitmapscan", "off", sa.true())).scalar_subquery(),
 )
 
 
