@@ -30,6 +30,7 @@ def sweeper(
     log_json: bool,
 ) -> int:
     """Resume due pauses, rescue expired claims, demote 48 h pauses, purge cooldowns."""
+    started = cli.start_up()
     overrides = {"database_url": db_url, "sweep_interval_sec": interval_sec}
     config = load_config(config_file, overrides)
     configure(json=log_json, level=config.settings.log_level.upper())
@@ -41,6 +42,7 @@ def sweeper(
     try:
         db.require_migrated()
         sweep = jobs.Sweep(db, LiveConfig(config))
+        started()
         if once:
             return 1 if run_once(sweep)["failed_jobs"] else 0
         service = SweeperService(

@@ -229,6 +229,44 @@ def test_a_stop_that_fails_is_shown_and_the_next_signal_still_heard() -> None:
     assert "RuntimeError: a bug in the first stop" in out.stderr
 
 
+START_UP = """
+import gc, sys
+import click
+from agentbus import cli
+from agentbus.errors import ConfigError
+
+@click.command()
+@click.option("--fail", is_flag=True)
+def command(fail):
+    started = cli.start_up()
+    print("starting", gc.isenabled())
+    if fail:
+        raise ConfigError("a broken config")
+    started()
+    print("started", gc.isenabled(), gc.get_freeze_count() > 0)
+    return 0
+
+for args in (["--fail"], []):
+    try:
+        cli.run(command, "t", args)
+    except SystemExit as exc:
+        print("exit", exc.code, gc.isenabled())
+"""
+
+
+def test_a_start_up_runs_without_the_collector_and_leaves_it_on() -> None:
+    """A worker's and the sweeper's start-up run with the cyclic garbage collector off;
+    it is on again once they have started, or once their command failed before."""
+    out = run_python(START_UP)
+    assert out.stdout.split("\n")[:-1] == [
+        "starting False",
+        "exit 2 True",
+        "starting False",
+        "started True True",
+        "exit 0 True",
+    ], out.stderr
+
+
 def test_sigterm_releases_a_call_that_outlives_the_grace(
     db_url: str, queue: TaskQueue, spawn: Spawn, tmp_path: Path
 ) -> None:

@@ -77,6 +77,7 @@ def worker(
     or N per claim in turn (--batch N)."""
     if not NAME_RE.match(agent):
         raise click.BadParameter(f"invalid agent name {agent!r}", param_hint="--agent")
+    started = cli.start_up()
     overrides = {
         "database_url": db_url,
         "lease_sec": lease_sec,
@@ -123,6 +124,7 @@ def worker(
         )
         runner = Worker(LiveConfig(config), db, options)
         cli.on_stop_signals(runner.request_stop)
+        started()
         return runner.run()
     finally:
         db.dispose()
