@@ -113,7 +113,13 @@ class Database:
         sqlite_busy_timeout_ms: int = 5000,
         sqlite_synchronous: str = "FULL",
         pool_size: int = 5,
+        no_bitmap_scans: bool = False,
     ) -> None:
+        """``no_bitmap_scans``: a worker's engine (PostgreSQL). Its statements find rows by
+        key or through the partial indexes of claimed, queued and open states, whose
+        entries a change of state leaves behind until VACUUM: a plain index scan marks
+        them dead as it passes them, a bitmap scan reads every one again (completing
+        10 claims read 3,000 such entries after 3,000 tasks, ~0.3 ms a batch)."""
         self.url = parse_url(url)
         self.dialect = self.url.get_backend_name()
         #: The fleet's clock (PostgreSQL: the database's; SQLite: this host's).
@@ -127,6 +133,8 @@ class Database:
             self.engine = sa.create_engine(
                 self.url, pool_size=pool_size, max_overflow=pool_size, json_deserializer=_json_loads
             )
+            if no_bitmap_scans:
+                sa.event.listen(self.engine, "connect", _no_bitmap_scans)
         path = self.sqlite_path()
         self._writers: contextlib.AbstractContextManager[None] = (
             _WriterTurns(path) if path is not None else contextlib.nullcontext()
@@ -142,7 +150,9 @@ class Database:
         self.pinned = Pinned(self)
 
     @classmethod
-    def from_settings(cls, settings: Any, *, threads: int = 1) -> Database:
+    def from_settings(
+        cls, settings: Any, *, threads: int = 1, no_bitmap_scans: bool = False
+    ) -> Database:
         """The database of ``settings``, its pool sized for ``threads`` that use it at once
         (besides a worker's watchdog and its claims)."""
         return cls(
@@ -151,6 +161,7 @@ class Database:
             sqlite_busy_timeout_ms=settings.sqlite_busy_timeout_ms,
             sqlite_synchronous=settings.sqlite_synchronous,
             pool_size=pool_size_for(threads),
+            no_bitmap_scans=no_bitmap_scans,
         )
 
     def __repr__(self) -> str:
@@ -384,6 +395,15 @@ def pool_size_for(threads: int) -> int:
     """Connections kept for ``threads`` running tasks: a task holds one only while it
     reads or writes (not during its model call), so past 16 they share."""
     return max(5, min(threads, 16) + 2)
+
+
+def _no_bitmap_scans(dbapi_conn: Any, _record: Any) -> None:
+    """PostgreSQL, as a connection opens: no bitmap scans for its whole session (set in
+    autocommit, so that no transaction of the pool's can roll it back)."""
+    autocommit = dbapi_conn.autocommit
+    dbapi_conn.autocommit = True
+    dbapi_conn.execute("SET enable_bitmapscan = off")
+    dbapi_conn.autocommit = autocommit
 
 
 def _sqlite_engine(url: URL, busy_timeout_ms: int, synchronous: str, pool_size: int) -> Engine:

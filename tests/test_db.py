@@ -6,6 +6,7 @@ import sqlite3
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -15,6 +16,7 @@ from agentbus.db import Database, is_transient, migrate, parse_url, redact
 from agentbus.errors import BusError
 from agentbus.prepared import Prepared
 from agentbus.queue import TaskQueue
+from agentbus.queue.decisions import Complete, Settlement
 from agentbus.queue.tasks import TaskSpec
 from tests.conftest import PG_URL, Backends
 
@@ -199,3 +201,50 @@ def test_pinned_writes_are_transactions_and_single_statements_commit_alone(db: D
     with db.engine.connect() as conn:
         kept = sorted(n for (n,) in conn.exec_driver_sql(f"SELECT n FROM {table}"))
     assert kept == [1, 4]
+
+
+def test_a_workers_engine_never_plans_a_bitmap_scan(
+    backends: Backends, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: a worker completes claims through the partial index of claimed tasks,
+    whose entries every completion leaves behind until VACUUM. On its engine
+    (``no_bitmap_scans``) every connection plans plain index scans, which mark such
+    entries dead as they pass them; a bitmap scan would read them all again, batch after
+    batch. Other engines keep the server's setting."""
+    url, handle = backends.new("postgresql")
+    plain, worker = Database(url), Database(url, no_bitmap_scans=True)
+    show = sa.text("SHOW enable_bitmapscan")
+    for db, setting in ((plain, "on"), (worker, "off")):
+        assert db.read(lambda conn: conn.execute(show).scalar()) == setting
+        assert db.write(lambda conn: conn.execute(show).scalar()) == setting
+        assert db.pinned.write_one(lambda conn: conn.execute(show).scalar()) == setting
+    queue = TaskQueue(worker)
+    queue.enqueue_many([TaskSpec(agent="a", command="t", models=("m",))] * 3010)
+    acks: list[Settlement] = []
+    for _ in range(301):  # 3,000 completions: 3,000 entries left behind
+        _, tasks = queue.settle_and_claim(acks, "a", "w", 60, 10)
+        acks = [Settlement(t.id, t.claim_token, Complete("ok")) for t in tasks]
+    ran: list[tuple[Prepared, Any]] = []  # the next settle-and-claim's statement, as it runs
+    execute = Prepared.execute
+
+    def recorded(self: Prepared, conn: sa.Connection, values: Any) -> Any:
+        ran.append((self, values))
+        return execute(self, conn, values)
+
+    monkeypatch.setattr(Prepared, "execute", recorded)
+    queue.settle_and_claim(acks, "a", "w", 60, 10)
+    monkeypatch.undo()
+    ((statement, values),) = ran
+
+    def plan(db: Database) -> list[str]:
+        def explain(conn: sa.Connection) -> list[str]:
+            cursor = psycopg.RawCursor(conn.connection.driver_connection)
+            cursor.execute("EXPLAIN " + statement.sql, statement.params(values))
+            return [line for (line,) in cursor.fetchall()]
+
+        return db.read(explain)
+
+    assert not [line for line in plan(worker) if "Bitmap" in line], plan(worker)
+    worker.dispose()
+    plain.dispose()
+    backends.drop(handle)

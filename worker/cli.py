@@ -109,7 +109,7 @@ def worker(
     from agentbus.worker.loop import Options, Worker
 
     settings = config.settings
-    db = Database.from_settings(settings, threads=settings.concurrency)
+    db = Database.from_settings(settings, threads=settings.concurrency, no_bitmap_scans=True)
     try:
         db.require_migrated()
         options = Options(
