@@ -213,38 +213,40 @@ def test_a_workers_engine_never_plans_a_bitmap_scan(
     batch. Other engines keep the server's setting."""
     url, handle = backends.new("postgresql")
     plain, worker = Database(url), Database(url, no_bitmap_scans=True)
-    show = sa.text("SHOW enable_bitmapscan")
-    for db, setting in ((plain, "on"), (worker, "off")):
-        assert db.read(lambda conn: conn.execute(show).scalar()) == setting
-        assert db.write(lambda conn: conn.execute(show).scalar()) == setting
-        assert db.pinned.write_one(lambda conn: conn.execute(show).scalar()) == setting
-    queue = TaskQueue(worker)
-    queue.enqueue_many([TaskSpec(agent="a", command="t", models=("m",))] * 3010)
-    acks: list[Settlement] = []
-    for _ in range(301):  # 3,000 completions: 3,000 entries left behind
-        _, tasks = queue.settle_and_claim(acks, "a", "w", 60, 10)
-        acks = [Settlement(t.id, t.claim_token, Complete("ok")) for t in tasks]
-    ran: list[tuple[Prepared, Any]] = []  # the next settle-and-claim's statement, as it runs
-    execute = Prepared.execute
+    try:
+        show = sa.text("SHOW enable_bitmapscan")
+        for db, setting in ((plain, "on"), (worker, "off")):
+            assert db.read(lambda conn: conn.execute(show).scalar()) == setting
+            assert db.write(lambda conn: conn.execute(show).scalar()) == setting
+            assert db.pinned.write_one(lambda conn: conn.execute(show).scalar()) == setting
+        queue = TaskQueue(worker)
+        queue.enqueue_many([TaskSpec(agent="a", command="t", models=("m",))] * 3010)
+        acks: list[Settlement] = []
+        for _ in range(301):  # 3,000 completions: 3,000 entries left behind
+            _, tasks = queue.settle_and_claim(acks, "a", "w", 60, 10)
+            acks = [Settlement(t.id, t.claim_token, Complete("ok")) for t in tasks]
+        ran: list[tuple[Prepared, Any]] = []  # the next settle-and-claim's statement, as it runs
+        execute = Prepared.execute
 
-    def recorded(self: Prepared, conn: sa.Connection, values: Any) -> Any:
-        ran.append((self, values))
-        return execute(self, conn, values)
+        def recorded(self: Prepared, conn: sa.Connection, values: Any) -> Any:
+            ran.append((self, values))
+            return execute(self, conn, values)
 
-    monkeypatch.setattr(Prepared, "execute", recorded)
-    queue.settle_and_claim(acks, "a", "w", 60, 10)
-    monkeypatch.undo()
-    ((statement, values),) = ran
+        monkeypatch.setattr(Prepared, "execute", recorded)
+        queue.settle_and_claim(acks, "a", "w", 60, 10)
+        monkeypatch.undo()
+        ((statement, values),) = ran
 
-    def plan(db: Database) -> list[str]:
-        def explain(conn: sa.Connection) -> list[str]:
-            cursor = psycopg.RawCursor(conn.connection.driver_connection)
-            cursor.execute("EXPLAIN " + statement.sql, statement.params(values))
-            return [line for (line,) in cursor.fetchall()]
+        def plan(db: Database) -> list[str]:
+            def explain(conn: sa.Connection) -> list[str]:
+                cursor = psycopg.RawCursor(conn.connection.driver_connection)
+                cursor.execute("EXPLAIN " + statement.sql, statement.params(values))
+                return [line for (line,) in cursor.fetchall()]
 
-        return db.read(explain)
+            return db.read(explain)
 
-    assert not [line for line in plan(worker) if "Bitmap" in line], plan(worker)
-    worker.dispose()
-    plain.dispose()
-    backends.drop(handle)
+        assert not [line for line in plan(worker) if "Bitmap" in line], plan(worker)
+    finally:
+        worker.dispose()
+        plain.dispose()
+        backends.drop(handle)
