@@ -6,23 +6,18 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 import sqlalchemy as sa
 
-from agentbus.admission import slots, usage
+from agentbus.admission import usage
 from agentbus.admission.admission import Admissible, Admission, Permit
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import Code, Refusal
-from agentbus.admission.limits import Limits
 from agentbus.admission.routing import Candidate, Route
-from agentbus.admission.slots import LOCK_CLASS, lock_gates
 from agentbus.config import Config, LiveConfig, load_config
 from agentbus.db import Database
-from agentbus.prepared import prepared
 from agentbus.providers.outcomes import Failed, RateLimited, Succeeded
 from agentbus.schema import call_slots, model_cooldown
-from tests.conftest import Backends
 from tests.support import FakeClock
 
 CONFIG = """
@@ -184,45 +179,6 @@ def test_a_clock_behind_a_window_stamps_its_call_with_the_windows_newest_time(
     assert isinstance(admit(adm, a), Permit)
     refusal = admit(adm, a)  # the window now holds the second, the third and the fourth
     assert isinstance(refusal, Refusal) and refusal.retry_after == pytest.approx(first + 90)
-
-
-def test_an_admission_whose_connection_was_dropped_is_made_once_on_a_new_one(
-    backends: Backends, clock: FakeClock, tmp_path: Path
-) -> None:
-    """PostgreSQL (an admission there is one pipelined round trip): the server drops the
-    connection a process keeps for its admissions; the next admission is retried on a
-    new connection and takes exactly one slot."""
-    url, name = backends.new("postgresql")
-    db = Database(url)
-    adm = admission(db, clock, config(tmp_path, rpm=5, concurrency=5))
-    a = candidate(adm)
-    first = admit(adm, a)
-    assert isinstance(first, Permit)
-    pids = db.read(
-        lambda conn: (
-            conn.execute(
-                sa.text(
-                    "SELECT pid FROM pg_stat_activity"
-                    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-                )
-            )
-            .scalars()
-            .all()
-        )
-    )
-    killed = db.read(
-        lambda conn: conn.execute(
-            sa.text("SELECT count(pg_terminate_backend(pid)) FROM unnest(:pids) AS p(pid)"),
-            {"pids": pids},
-        ).scalar()
-    )
-    assert killed and killed >= 1
-    second = admit(adm, a)
-    assert isinstance(second, Permit) and second.slot_id != first.slot_id
-    taken = db.read(lambda conn: conn.execute(sa.select(sa.func.count()).select_from(call_slots)))
-    assert taken.scalar() == 2
-    db.dispose()
-    backends.drop(name)
 
 
 def test_agent_rate_is_shared_by_all_its_workers(
@@ -450,77 +406,3 @@ def test_a_kept_resolution_follows_credentials_refusals_and_a_reloaded_config(
     reloaded.path.write_text(reloaded_text)
     live.config = load_config(reloaded.path, environ=ENV)
     assert keys(None) == ["sim/big@a", "sim/big@b"]
-
-
-def test_an_admission_locks_only_the_gates_it_counts(db: Database) -> None:
-    """PostgreSQL: the gates' locks are keyed by gate, so admissions through other
-    providers, accounts, bulkheads and agents do not wait (SQLite: one writer anyway)."""
-    one = Limits(5, 3, ("heavy", 2), (10, 60.0), (50, 1.0), 0, 0.0)
-    a = Candidate("sim/a", "sim", "acct", "a")
-    assert one.lock_keys(a, "codex") == [
-        "concurrency",
-        "provider:sim",
-        "bulkhead:heavy",
-        "rpm:sim/acct",
-        "agent:codex",
-    ]
-    assert Limits(0, None, None, None, None, 100, 1.0).lock_keys(a, "codex") == []  # budgets
-    if db.dialect != "postgresql":
-        with db.engine.begin() as conn:
-            lock_gates(conn, ["rpm:sim/acct"])  # nothing to take
-        return
-    try_lock = sa.text("SELECT pg_try_advisory_xact_lock(:c, hashtext(:k))")
-    with db.engine.begin() as holder, db.engine.begin() as other:
-        lock_gates(holder, ["rpm:sim/acct", "agent:codex"])
-        assert other.execute(try_lock, {"c": LOCK_CLASS, "k": "rpm:sim/other"}).scalar()
-        assert other.execute(try_lock, {"c": LOCK_CLASS, "k": "agent:ron"}).scalar()
-        assert not other.execute(try_lock, {"c": LOCK_CLASS, "k": "rpm:sim/acct"}).scalar()
-        assert not other.execute(try_lock, {"c": LOCK_CLASS, "k": "agent:codex"}).scalar()
-
-
-def test_counting_open_slots_plans_no_bitmap_scan(
-    backends: Backends, clock: FakeClock, tmp_path: Path
-) -> None:
-    """PostgreSQL: a release leaves its slot's entry in the index of open slots until
-    VACUUM. An admission's counts read that index entry by entry (no bitmap scan, for
-    the admission's transaction only), which marks such entries dead as it passes them
-    once no snapshot can see them; a bitmap scan would read them all, call after call."""
-    url, name = backends.new("postgresql")
-    db = Database(url)
-    try:
-        adm = admission(db, clock, config(tmp_path, global_concurrency=5, concurrency=5))
-        a = candidate(adm)
-        with db.engine.begin() as conn:  # many calls since the last VACUUM, and statistics
-            conn.execute(
-                sa.text(
-                    "INSERT INTO call_slots (provider, account, model, agent, admitted_at,"
-                    " lease_until) SELECT 'p' || (n % 4), '', 'm', 'a' || (n % 8), :now,"
-                    " :until FROM generate_series(1, 14000) AS n"
-                ),
-                {"now": clock.now, "until": clock.now + 60},
-            )
-        with db.engine.begin() as conn:
-            conn.execute(sa.text("UPDATE call_slots SET released_at = :now"), {"now": clock.now})
-        with db.engine.connect() as conn:
-            conn.execute(sa.text("ANALYZE call_slots"))
-            conn.commit()
-        limits = Limits.of(adm.catalog, adm.settings, a, "codex")
-        slot_gates, windows, _, budgets = limits.shape(take=True)
-        take = prepared(db.engine.dialect, slots.take_if_admitted(slot_gates, windows, budgets))
-        values = limits.params(a, "codex", clock.now) | slots.row(
-            a, "codex", 1, "w1", clock.now, 60
-        )
-        with db.engine.connect() as conn:
-            lock_gates(conn, limits.lock_keys(a, "codex"))  # as an admission begins
-            assert conn.execute(sa.text("SHOW enable_bitmapscan")).scalar() == "off"
-            cursor = psycopg.RawCursor(conn.connection.driver_connection)
-            cursor.execute("EXPLAIN " + take.sql, take.params(values))
-            plan = [line for (line,) in cursor.fetchall()]
-            conn.rollback()
-        assert [line for line in plan if "ix_call_slots_open" in line], plan  # it counts
-        assert not [line for line in plan if "Bitmap" in line], plan
-        with db.engine.connect() as conn:  # outside an admission's transaction: as configured
-            assert conn.execute(sa.text("SHOW enable_bitmapscan")).scalar() == "on"
-    finally:
-        db.dispose()
-        backends.drop(name)
