@@ -179,7 +179,7 @@ def enqueue_floor(queue: TaskQueue, single: int) -> float:
     path = db.sqlite_path()
     assert path is not None
     now = time.time()
-    row = queue._row(spec(0), now)
+    row = queue.stored_row(spec(0), now)
     insert = db.prepared(ENQUEUE_ONE)
     task = insert.params({f"p_{k}": v for k, v in row.items()})
     event = db.prepared(INSERT_EVENT)

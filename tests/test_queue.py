@@ -94,6 +94,38 @@ def test_a_batch_of_tasks_stores_every_value_as_given(queue: TaskQueue, clock: F
         assert task.status is TaskStatus.QUEUED
 
 
+def test_payloads_and_chains_are_stored_as_json_dumps_writes_them(queue: TaskQueue) -> None:
+    """An enqueue stores the JSON text its validation made when that is plain ASCII, and
+    encodes again otherwise: either way the stored text is ``json.dumps``'s, non-ASCII
+    characters escaped, whichever way the task came in (alone, in a batch, with a key)."""
+    import json
+
+    import sqlalchemy as sa
+
+    from agentbus.schema import bus_commands
+
+    payloads = [{"k": [1, 2.5, None], "s": 'a "b"'}, {"ü": "✓ 한국어"}, {}]
+    chains = [("sim/a", "sim/b"), ("sim/a",), None]
+    specs = [
+        spec(payload=p, models=c, role=None if c else "coder")
+        for p, c in zip(payloads, chains, strict=True)
+    ]
+    ids = queue.enqueue_many(specs) + queue.enqueue_many(specs[:1])
+    ids += [queue.enqueue(specs[1]).id, queue.enqueue(spec(payload=payloads[1], key="k1")).id]
+    expected = [0, 1, 2, 0, 1, 1]
+    as_text = sa.cast if queue.db.dialect == "postgresql" else sa.type_coerce
+    columns = [as_text(bus_commands.c[name], sa.Text) for name in ("payload", "models")]
+    for task_id, n in zip(ids, expected, strict=True):
+        row = queue.db.read(
+            lambda conn, i=task_id: conn.execute(
+                sa.select(*columns).where(bus_commands.c.id == i)
+            ).one()
+        )
+        chain = chains[n] if task_id != ids[-1] else ("sim/a",)
+        assert row[0] == json.dumps(payloads[n])
+        assert row[1] == (None if chain is None else json.dumps(list(chain)))
+
+
 def test_claim_orders_by_priority_then_age(queue: TaskQueue, clock: FakeClock) -> None:
     low = queue.enqueue(spec(text="low", priority=0)).id
     clock.advance(1)

@@ -352,10 +352,19 @@ ENQUEUED_COLUMNS = (
     "updated_at",
 )
 
-#: SQLite: insert one task, returning its id (``p_<column>`` for each of ENQUEUED_COLUMNS).
+#: The columns an enqueue passes as JSON text (``TaskQueue.stored_row``).
+JSON_TEXT_COLUMNS = ("payload", "models")
+
+#: SQLite: insert one task, returning its id (``p_<column>`` for each of ENQUEUED_COLUMNS;
+#: payload and models as JSON text).
 ENQUEUE_ONE = (
     sa.insert(t)
-    .values({c: sa.bindparam(f"p_{c}", type_=t.c[c].type) for c in ENQUEUED_COLUMNS})
+    .values(
+        {
+            c: sa.bindparam(f"p_{c}", type_=sa.Text if c in JSON_TEXT_COLUMNS else t.c[c].type)
+            for c in ENQUEUED_COLUMNS
+        }
+    )
     .returning(t.c.id)
 )
 

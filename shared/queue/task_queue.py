@@ -17,6 +17,7 @@ an old token and none of its writes can land.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,10 +110,8 @@ class TaskQueue(SweepOps, SteeringOps):
         if not specs:
             return []
         now = self.clock()
-        rows = [self._row(s, now) for s in specs]
+        rows = [self.stored_row(s, now) for s in specs]
         if self.db.dialect == "postgresql":
-            for r in rows:
-                r["payload"], r["models"] = json.dumps(r["payload"]), _json_or_none(r["models"])
             params: dict[str, Any]
             if len(rows) == 1:
                 statement = self.db.prepared(ENQUEUE_ONE_POSTGRES)
@@ -139,6 +138,14 @@ class TaskQueue(SweepOps, SteeringOps):
             return ids
 
         return self.db.pinned.write(work)
+
+    def stored_row(self, spec: TaskSpec, now: float) -> dict[str, Any]:
+        """``_row`` with payload and models as the JSON text stored (the payload as its
+        validation encoded it; a chain's text made once per chain)."""
+        row = self._row(spec, now)
+        row["payload"] = spec.payload_json()
+        row["models"] = None if spec.models is None else _chain_json(tuple(spec.models))
+        return row
 
     def _row(self, spec: TaskSpec, now: float) -> dict[str, Any]:
         check_payload(spec, self.payload_limits)
@@ -394,5 +401,7 @@ class TaskQueue(SweepOps, SteeringOps):
         return reads.get_task(self.db, task_id)
 
 
-def _json_or_none(value: Any) -> str | None:
-    return None if value is None else json.dumps(value)
+@functools.lru_cache(maxsize=1024)
+def _chain_json(models: tuple[str, ...]) -> str:
+    """A model chain as stored (producers enqueue few distinct chains)."""
+    return json.dumps(list(models))

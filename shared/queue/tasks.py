@@ -51,9 +51,16 @@ class TaskSpec:
     # Measured once by validate(), for the limits the queue checks at enqueue.
     payload_depth: int = field(default=0, init=False, repr=False, compare=False)
     payload_bytes: int = field(default=0, init=False, repr=False, compare=False)
+    # The payload's JSON as validate() encoded it, kept when it is plain ASCII (then it is
+    # what ``json.dumps`` writes): the enqueue stores it without encoding it again.
+    payload_ascii: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate(self)
+
+    def payload_json(self) -> str:
+        """The payload as stored: JSON text, non-ASCII characters escaped."""
+        return self.payload_ascii if self.payload_ascii is not None else json.dumps(self.payload)
 
 
 #: A payload as measured and checked (made once: ``json.dumps`` with options makes an
@@ -106,6 +113,8 @@ def validate(spec: TaskSpec) -> None:
         raise InvalidTask(str(exc)) from None
     object.__setattr__(spec, "payload_depth", nesting)  # a frozen value: measured once here
     object.__setattr__(spec, "payload_bytes", len(encoded.encode("utf-8")))
+    if encoded.isascii():
+        object.__setattr__(spec, "payload_ascii", encoded)
     if isinstance(spec.priority, bool) or not isinstance(spec.priority, int):
         raise InvalidTask("priority must be an integer")
     if not -1_000_000 <= spec.priority <= 1_000_000:
