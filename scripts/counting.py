@@ -7,7 +7,9 @@ claim batch of B. Counted per task:
   COMMIT included; commits are the COMMITs. The counters' triggers (on
   ``task_events`` and ``route_log``) are not statements of their own: the
   driver reports each trigger program's start as its statement's text again,
-  right after it, and such a repeat is counted apart.
+  right after it, and such a repeat is counted apart. And the pages a commit
+  writes to the write-ahead log (each a frame its fsync waits for), from the
+  log's growth with checkpoints held off while counting.
 - PostgreSQL: the statements psycopg sends (``Query`` and ``Execute``
   messages in libpq's protocol trace), the round trips (``Query`` and ``Sync``
   messages: each waits for the server's answer), and the commits the server
@@ -97,9 +99,17 @@ def _sqlite(url: str, agent: str, tasks: int, batch: int) -> dict[str, float]:
 
     @sa.event.listens_for(db.engine, "connect")
     def _trace(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+        dbapi_conn.execute("PRAGMA wal_autocheckpoint=0")  # the log only grows meanwhile
         dbapi_conn.set_trace_callback(traced)
 
+    path = db.sqlite_path()
+    assert path is not None
+    bare = sqlite3.connect(path)  # the log starts empty
+    bare.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    bare.close()
     done = steady_loop(TaskQueue(db), agent, "counter", batch, routes=True)
+    page = db.read(lambda conn: conn.exec_driver_sql("PRAGMA page_size").scalar())
+    frames = (os.path.getsize(f"{path}-wal") - 32) / (24 + int(page))  # after its header
     db.dispose()
     assert done == tasks, (done, tasks)
     for pragma in ("PRAGMA",):  # the connection's set-up, once
@@ -109,6 +119,7 @@ def _sqlite(url: str, agent: str, tasks: int, batch: int) -> dict[str, float]:
         "statements": sum(seen.values()) / tasks,
         "commits": seen["COMMIT"] / tasks,
         "trigger runs": triggers / tasks,
+        "WAL pages per commit": frames / seen["COMMIT"],
     }
 
 
