@@ -95,16 +95,17 @@ def test_a_batch_of_tasks_stores_every_value_as_given(queue: TaskQueue, clock: F
 
 
 def test_payloads_and_chains_are_stored_as_json_dumps_writes_them(queue: TaskQueue) -> None:
-    """An enqueue stores the JSON text its validation made when that is plain ASCII, and
-    encodes again otherwise: either way the stored text is ``json.dumps``'s, non-ASCII
-    characters escaped, whichever way the task came in (alone, in a batch, with a key)."""
+    """An enqueue stores the JSON text its validation made when that is printable ASCII,
+    and encodes again otherwise (non-ASCII, or DEL, which ``json.dumps`` escapes): either
+    way the stored text is ``json.dumps``'s, whichever way the task came in (alone, in a
+    batch, with a key)."""
     import json
 
     import sqlalchemy as sa
 
     from agentbus.schema import bus_commands
 
-    payloads = [{"k": [1, 2.5, None], "s": 'a "b"'}, {"ü": "✓ 한국어"}, {}]
+    payloads = [{"k": [1, 2.5, None], "s": 'a "b"\x7f'}, {"ü": "✓ 한국어"}, {}]
     chains = [("sim/a", "sim/b"), ("sim/a",), None]
     specs = [
         spec(payload=p, models=c, role=None if c else "coder")

@@ -51,8 +51,8 @@ class TaskSpec:
     # Measured once by validate(), for the limits the queue checks at enqueue.
     payload_depth: int = field(default=0, init=False, repr=False, compare=False)
     payload_bytes: int = field(default=0, init=False, repr=False, compare=False)
-    # The payload's JSON as validate() encoded it, kept when it is plain ASCII (then it is
-    # what ``json.dumps`` writes): the enqueue stores it without encoding it again.
+    # The payload's JSON as validate() encoded it, kept when it is printable ASCII (then it
+    # is what ``json.dumps`` writes): the enqueue stores it without encoding it again.
     payload_ascii: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -113,7 +113,7 @@ def validate(spec: TaskSpec) -> None:
         raise InvalidTask(str(exc)) from None
     object.__setattr__(spec, "payload_depth", nesting)  # a frozen value: measured once here
     object.__setattr__(spec, "payload_bytes", len(encoded.encode("utf-8")))
-    if encoded.isascii():
+    if encoded.isascii() and "\x7f" not in encoded:  # json.dumps escapes DEL too
         object.__setattr__(spec, "payload_ascii", encoded)
     if isinstance(spec.priority, bool) or not isinstance(spec.priority, int):
         raise InvalidTask("priority must be an integer")
