@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import sqlalchemy as sa
 
 from agentbus.errors import TaskNotFound, TransitionRejected
 from agentbus.prepared import prepared
@@ -11,6 +14,7 @@ from agentbus.queue.decisions import Complete
 from agentbus.queue.statements import claim_statement
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
+from agentbus.schema import bus_commands
 from tests.support import FakeClock
 
 
@@ -99,12 +103,6 @@ def test_payloads_and_chains_are_stored_as_json_dumps_writes_them(queue: TaskQue
     and encodes again otherwise (non-ASCII, or DEL, which ``json.dumps`` escapes): either
     way the stored text is ``json.dumps``'s, whichever way the task came in (alone, in a
     batch, with a key)."""
-    import json
-
-    import sqlalchemy as sa
-
-    from agentbus.schema import bus_commands
-
     payloads = [{"k": [1, 2.5, None], "s": 'a "b"\x7f'}, {"ü": "✓ 한국어"}, {}]
     chains = [("sim/a", "sim/b"), ("sim/a",), None]
     specs = [
@@ -122,9 +120,8 @@ def test_payloads_and_chains_are_stored_as_json_dumps_writes_them(queue: TaskQue
                 sa.select(*columns).where(bus_commands.c.id == i)
             ).one()
         )
-        chain = chains[n] if task_id != ids[-1] else ("sim/a",)
         assert row[0] == json.dumps(payloads[n])
-        assert row[1] == (None if chain is None else json.dumps(list(chain)))
+        assert row[1] == (None if chains[n] is None else json.dumps(list(chains[n])))
 
 
 def test_claim_orders_by_priority_then_age(queue: TaskQueue, clock: FakeClock) -> None:

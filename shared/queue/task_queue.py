@@ -81,7 +81,8 @@ class TaskQueue(SweepOps, SteeringOps):
         return out
 
     def _insert_on(self, conn: Connection, spec: TaskSpec, now: float) -> Enqueued:
-        row = self._row(spec, now)
+        models = None if spec.models is None else list(spec.models)
+        row = self._row(spec, now, dict(spec.payload), models)  # for SQLAlchemy's JSON type
         if spec.key is not None:
             # The key table outlives the task (retention keeps keys longer).
             known = conn.execute(sa.select(keys.c.task_id).where(keys.c.key == spec.key)).scalar()
@@ -140,20 +141,19 @@ class TaskQueue(SweepOps, SteeringOps):
         return self.db.pinned.write(work)
 
     def stored_row(self, spec: TaskSpec, now: float) -> dict[str, Any]:
-        """``_row`` with payload and models as the JSON text stored (the payload as its
-        validation encoded it; a chain's text made once per chain)."""
-        row = self._row(spec, now)
-        row["payload"] = spec.payload_json()
-        row["models"] = None if spec.models is None else _chain_json(tuple(spec.models))
-        return row
+        """The task's row for the compiled inserts: payload and models as the JSON text
+        stored (the payload as its validation encoded it; a chain's text made once per
+        chain)."""
+        models = None if spec.models is None else _chain_json(tuple(spec.models))
+        return self._row(spec, now, spec.payload_json(), models)
 
-    def _row(self, spec: TaskSpec, now: float) -> dict[str, Any]:
+    def _row(self, spec: TaskSpec, now: float, payload: Any, models: Any) -> dict[str, Any]:
         check_payload(spec, self.payload_limits)
         return {
             "agent": spec.agent,
             "command": spec.command,
-            "payload": dict(spec.payload),
-            "models": list(spec.models) if spec.models is not None else None,
+            "payload": payload,
+            "models": models,
             "role": spec.role,
             "status": TaskStatus.QUEUED.value,
             "priority": spec.priority,
