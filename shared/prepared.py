@@ -11,6 +11,7 @@ statement's own types. Errors come out as SQLAlchemy raises them
 from __future__ import annotations
 
 import copy
+import operator
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -51,6 +52,9 @@ class Prepared:
         self._positional = bool(compiled.positional)
         self._names = list(names or ())
         self._binds = [(name, _processor(types[name], dialect)) for name in self._names]
+        # The values gathered in one C call (``params``), and the few that need processing.
+        self._gather = operator.itemgetter(*self._names) if len(self._names) > 1 else None
+        self._process = [(i, p) for i, (_, p) in enumerate(self._binds) if p is not None]
         # Arrays go to psycopg in binary: a text array quotes and escapes each element with
         # a regular expression (a batch of ten completions: ~4x the client time).
         self._binary_arrays = self._server_side and any(
@@ -67,10 +71,14 @@ class Prepared:
 
     def params(self, values: Mapping[str, Any]) -> Any:
         """The driver's parameters from ``values`` (by bind name; literals filled in)."""
-        out = []
-        for name, process in self._binds:
-            value = values[name] if name in values else self._defaults[name]
-            out.append(value if process is None else process(value))
+        try:  # every value given, as on the hot path: gathered by one itemgetter
+            out = list(self._gather(values)) if self._gather is not None else None
+        except KeyError:
+            out = None
+        if out is None:
+            out = [values[n] if n in values else self._defaults[n] for n in self._names]
+        for i, process in self._process:
+            out[i] = process(out[i])
         return out if self._positional else dict(zip(self._names, out, strict=True))
 
     def execute(self, conn: Connection, values: Mapping[str, Any]) -> Any:
@@ -78,9 +86,7 @@ class Prepared:
         params = self.params(values)
         with _as_sqlalchemy_errors(conn, self.sql, params):
             if not self._server_side:
-                cursor = conn.connection.cursor()
-                cursor.execute(self.sql, params)
-                return cursor
+                return _sqlite_cursor(conn).execute(self.sql, params)
             return _raw_cursor(conn, self._binary_arrays).execute(self.sql, params, prepare=True)
 
     def execute_many(self, conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
@@ -90,7 +96,7 @@ class Prepared:
                 _raw_cursor(conn, self._binary_arrays).executemany(self.sql, params)
         elif params:
             with _as_sqlalchemy_errors(conn, self.sql, params):
-                conn.connection.cursor().executemany(self.sql, params)
+                _sqlite_cursor(conn).executemany(self.sql, params)
 
     def rows(self, cursor: Any) -> list[dict[str, Any]]:
         """The cursor's rows as dicts by column, each value as SQLAlchemy would read it."""
@@ -212,6 +218,19 @@ def _raw_cursor(conn: Connection, binary_arrays: bool = False, slot: int | str =
             from psycopg.types.array import ListBinaryDumper
 
             cursor.adapters.register_dumper(list, ListBinaryDumper)
+    return cursor
+
+
+def _sqlite_cursor(conn: Connection) -> Any:
+    """SQLite: the driver's cursor kept with the connection ``conn`` holds, as
+    ``_raw_cursor`` keeps psycopg's (a new one through the pool's connection costs more
+    than a short statement's own work). Callers read a cursor before they run the next
+    statement."""
+    driver: Any = conn.connection.dbapi_connection
+    kept = conn.connection.info
+    cursor = kept.get("agentbus_cursor")
+    if cursor is None or cursor.connection is not driver:
+        cursor = kept["agentbus_cursor"] = driver.cursor()
     return cursor
 
 
