@@ -272,7 +272,8 @@ class Pinned:
     transaction.
 
     ``write`` and ``write_one`` are ``Database.write`` and ``write_one`` on them (on
-    PostgreSQL one connection for each: ``write_one``'s is in autocommit). One thread
+    PostgreSQL one connection for each: ``write_one``'s is in autocommit; on SQLite
+    ``write`` begins and commits on the driver's connection). One thread
     uses them at a time; a thread that finds them in use goes through the pool. After
     any error the connections are closed and the next transaction (a retry included)
     takes a fresh one.
@@ -310,8 +311,11 @@ class Pinned:
                 if conn.in_transaction():  # begun by an execute of SQLAlchemy's own
                     conn.commit()
                 return result
-            with self.db._writers, conn.begin():
-                return work(conn)
+            with self.db._writers:
+                if self.db.dialect == "sqlite":
+                    return _in_driver_transaction(conn, work)
+                with conn.begin():
+                    return work(conn)
         except BaseException:
             self.close()
             raise
@@ -424,15 +428,40 @@ def _sqlite_engine(url: URL, busy_timeout_ms: int, synchronous: str, pool_size: 
 
     @sa.event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        sql = (
-            "BEGIN" if conn.get_execution_options().get("agentbus_read_only") else "BEGIN IMMEDIATE"
-        )
-        try:  # on the driver's connection: a statement of every transaction
-            conn.connection.dbapi_connection.execute(sql)  # type: ignore[union-attr]
-        except sqlite3.Error as exc:  # as SQLAlchemy raises it (is_transient knows "busy")
-            raise sa.exc.DBAPIError.instance(sql, None, exc, sqlite3.Error) from exc
+        driver: Any = conn.connection.dbapi_connection
+        if driver.in_transaction:  # begun on the driver already (``_in_driver_transaction``)
+            return
+        read_only = conn.get_execution_options().get("agentbus_read_only")
+        _sqlite_statement(driver, "BEGIN" if read_only else "BEGIN IMMEDIATE")
 
     return engine
+
+
+def _sqlite_statement(driver: sqlite3.Connection, sql: str) -> None:
+    """``sql`` on the driver's connection, an error raised as SQLAlchemy raises it
+    (``is_transient`` knows "database is locked")."""
+    try:
+        driver.execute(sql)
+    except sqlite3.Error as exc:
+        raise sa.exc.DBAPIError.instance(sql, None, exc, sqlite3.Error) from exc
+
+
+def _in_driver_transaction(conn: Connection, work: Callable[[Connection], T]) -> T:
+    """SQLite: ``work`` between a BEGIN IMMEDIATE and a COMMIT sent on the driver's
+    connection. A hot path's transaction runs compiled statements on the driver's
+    cursor (``Prepared``): SQLAlchemy's transaction around them (its object, its
+    events) cost more than a short statement. A statement ``work`` executes through
+    SQLAlchemy makes it begin a transaction of its own, whose BEGIN the engine's hook
+    leaves out; it is committed here. On an error the caller drops the connection,
+    and the pool rolls it back."""
+    driver: Any = conn.connection.dbapi_connection
+    _sqlite_statement(driver, "BEGIN IMMEDIATE")
+    result = work(conn)
+    if conn.in_transaction():
+        conn.commit()
+    else:
+        _sqlite_statement(driver, "COMMIT")
+    return result
 
 
 def migrations_dir() -> Path:

@@ -194,13 +194,18 @@ def test_pinned_writes_are_transactions_and_single_statements_commit_alone(db: D
         conn.exec_driver_sql(f"INSERT INTO {table} VALUES (3)")
         raise RuntimeError("the unit of work fails")
 
+    def on_the_driver(conn: sa.Connection) -> None:  # no statement through SQLAlchemy
+        conn.connection.dbapi_connection.execute(f"INSERT INTO {table} VALUES (5)")  # type: ignore[union-attr]
+
     insert(1)
     with pytest.raises(RuntimeError):
         db.pinned.write(two_then_fail)
     insert(4)
+    db.pinned.write(on_the_driver)
+    db.pinned.write(lambda conn: conn.exec_driver_sql(f"INSERT INTO {table} VALUES (6)"))
     with db.engine.connect() as conn:
         kept = sorted(n for (n,) in conn.exec_driver_sql(f"SELECT n FROM {table}"))
-    assert kept == [1, 4]
+    assert kept == [1, 4, 5, 6]
 
 
 def test_a_workers_engine_never_plans_a_bitmap_scan(
