@@ -173,7 +173,10 @@ class SteadyState:
             "p_events": [events.for_settlement(a, worker, now) for a in acks],
             "p_routes": [{**r.row(), "day": day_of(r.at)} for a in acks for r in a.routes],
         }
-        single = len(acks) <= 1  # one at a time: plain parameters, no array to encode
+        # One at a time: plain parameters, no array to encode. A worker that claims more
+        # at once runs the array form every time, its first claim included: one statement
+        # to compile and for the server to prepare.
+        single = len(acks) <= 1 and claim["p_limit"] <= 1
         if single:  # none: p_id NULL matches no row
             first = acks[0] if acks else None
             params["p_id"] = first.task_id if first else None
