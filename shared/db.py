@@ -2,20 +2,19 @@
 
 SQLite runs in WAL mode with a busy timeout, and every write transaction
 starts with ``BEGIN IMMEDIATE`` so that two writers queue on the lock instead
-of failing on a lock upgrade. Postgres connections are checked before use.
-A unit of work is a function of a connection; :meth:`Database.write` and
-:meth:`Database.read` run it in one transaction and run it again, from the
-start, when the database reports a transient error (locked, busy, connection
-lost, serialization failure, server restarting).
+of failing on a lock upgrade (``agentbus.sqlite_engine``). Postgres
+connections are checked before use. A unit of work is a function of a
+connection; :meth:`Database.write` and :meth:`Database.read` run it in one
+transaction and run it again, from the start, when the database reports a
+transient error (locked, busy, connection lost, serialization failure, server
+restarting).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib.util
 import json
-import os
 import sqlite3
 import sys
 import threading
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine
 
+from agentbus import sqlite_engine
 from agentbus.clock import clock_for
 from agentbus.errors import BusError, DatabaseUnavailable, NotMigrated
 from agentbus.logging import get_logger
@@ -38,9 +38,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = get_logger("agentbus.db")
-
-_SQLITE_BUSY = 5
-_SQLITE_LOCKED = 6
 
 
 def parse_url(raw: str) -> URL:
@@ -86,7 +83,7 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(orig, sqlite3.OperationalError):
         code = getattr(orig, "sqlite_errorcode", None)
         if code is not None:
-            return code & 0xFF in {_SQLITE_BUSY, _SQLITE_LOCKED}
+            return code & 0xFF in sqlite_engine.RETRIED_CODES
         return "locked" in str(orig) or "busy" in str(orig)
     psycopg = sys.modules.get("psycopg")  # imported by the engine when the URL is PostgreSQL
     return psycopg is not None and isinstance(orig, psycopg.OperationalError)
@@ -126,7 +123,7 @@ class Database:
         self.clock: Callable[[], float] = clock_for(self)
         self.retry_for = retry_for
         if self.dialect == "sqlite":
-            self.engine = _sqlite_engine(
+            self.engine = sqlite_engine.engine(
                 self.url, sqlite_busy_timeout_ms, sqlite_synchronous, pool_size
             )
         else:
@@ -137,7 +134,7 @@ class Database:
                 sa.event.listen(self.engine, "connect", _no_bitmap_scans)
         path = self.sqlite_path()
         self._writers: contextlib.AbstractContextManager[None] = (
-            _WriterTurns(path) if path is not None else contextlib.nullcontext()
+            sqlite_engine.WriterTurns(path) if path is not None else contextlib.nullcontext()
         )
         if self.dialect == "postgresql":
             # A read is one statement or a report: autocommit spares BEGIN and COMMIT
@@ -313,7 +310,7 @@ class Pinned:
                 return result
             with self.db._writers:
                 if self.db.dialect == "sqlite":
-                    return _in_driver_transaction(conn, work)
+                    return sqlite_engine.in_driver_transaction(conn, work)
                 with conn.begin():
                     return work(conn)
         except BaseException:
@@ -328,43 +325,6 @@ def _close_all(held: dict[bool, Connection]) -> None:
     while held:
         with contextlib.suppress(Exception):
             held.popitem()[1].close()
-
-
-class _WriterTurns:
-    """SQLite: the writers of one database file take turns through an ``flock`` on the
-    file ``<database>-writer`` beside it (as ``-wal`` and ``-shm`` are).
-
-    A writer waiting on SQLite's own lock polls with sleeps of 1, 2, 5, 10 … ms
-    (its busy handler), so two busy workers spend much of their time asleep while
-    the lock is free. Blocked on the ``flock``, a writer wakes the moment the other
-    one commits. Threads of one process take turns on a lock of their own first
-    (an ``flock`` is held per open file, not per thread). Writers that do not take
-    this turn (an operator's ``sqlite3`` shell) still meet SQLite's lock and the
-    busy timeout; where the file cannot be opened, SQLite's lock alone serializes.
-    """
-
-    def __init__(self, database: Path) -> None:
-        self._path = database.with_name(database.name + "-writer")
-        self._lock = threading.Lock()
-        self._fd: int | None = None
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-        try:
-            if self._fd is None:
-                self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-        except OSError:  # no turns then: SQLite's lock still serializes
-            pass
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            if self._fd is not None:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-        except OSError:
-            pass
-        finally:
-            self._lock.release()
 
 
 def first_line(exc: BaseException | None) -> str:
@@ -408,60 +368,6 @@ def _no_bitmap_scans(dbapi_conn: Any, _record: Any) -> None:
     dbapi_conn.autocommit = True
     dbapi_conn.execute("SET enable_bitmapscan = off")
     dbapi_conn.autocommit = autocommit
-
-
-def _sqlite_engine(url: URL, busy_timeout_ms: int, synchronous: str, pool_size: int) -> Engine:
-    in_memory = url.database in (None, "", ":memory:")  # one connection per thread anyway
-    pool = {} if in_memory else {"pool_size": pool_size, "max_overflow": pool_size}
-    engine = sa.create_engine(url, connect_args={"timeout": busy_timeout_ms / 1000}, **pool)
-
-    @sa.event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
-        # Take transaction control away from the driver: we emit BEGIN ourselves.
-        dbapi_conn.isolation_level = None
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
-        cur.execute(f"PRAGMA synchronous={synchronous.upper()}")
-        cur.execute("PRAGMA foreign_keys=ON")
-        cur.close()
-
-    @sa.event.listens_for(engine, "begin")
-    def _on_begin(conn: Connection) -> None:
-        driver: Any = conn.connection.dbapi_connection
-        if driver.in_transaction:  # begun on the driver already (``_in_driver_transaction``)
-            return
-        read_only = conn.get_execution_options().get("agentbus_read_only")
-        _sqlite_statement(driver, "BEGIN" if read_only else "BEGIN IMMEDIATE")
-
-    return engine
-
-
-def _sqlite_statement(driver: sqlite3.Connection, sql: str) -> None:
-    """``sql`` on the driver's connection, an error raised as SQLAlchemy raises it
-    (``is_transient`` knows "database is locked")."""
-    try:
-        driver.execute(sql)
-    except sqlite3.Error as exc:
-        raise sa.exc.DBAPIError.instance(sql, None, exc, sqlite3.Error) from exc
-
-
-def _in_driver_transaction(conn: Connection, work: Callable[[Connection], T]) -> T:
-    """SQLite: ``work`` between a BEGIN IMMEDIATE and a COMMIT sent on the driver's
-    connection. A hot path's transaction runs compiled statements on the driver's
-    cursor (``Prepared``): SQLAlchemy's transaction around them (its object, its
-    events) cost more than a short statement. A statement ``work`` executes through
-    SQLAlchemy makes it begin a transaction of its own, whose BEGIN the engine's hook
-    leaves out; it is committed here. On an error the caller drops the connection,
-    and the pool rolls it back."""
-    driver: Any = conn.connection.dbapi_connection
-    _sqlite_statement(driver, "BEGIN IMMEDIATE")
-    result = work(conn)
-    if conn.in_transaction():
-        conn.commit()
-    else:
-        _sqlite_statement(driver, "COMMIT")
-    return result
 
 
 def migrations_dir() -> Path:
