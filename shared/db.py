@@ -171,8 +171,18 @@ class Database:
     def _write_once(self, work: Callable[[Connection], T]) -> T:
         # The pool's work (checking a connection out and back in) outside the writers'
         # turn: the turn lasts from BEGIN IMMEDIATE to COMMIT only.
-        with self.engine.connect() as conn, self._writers, conn.begin():
-            return work(conn)
+        with self.engine.connect() as conn:
+            return self._transaction(conn, work)
+
+    def _transaction(self, conn: Connection, work: Callable[[Connection], T]) -> T:
+        """``work`` in one write transaction on ``conn``, in the writers' turn. SQLite's
+        begins and ends on the driver (``sqlite_engine.in_driver_transaction``: a short
+        transaction costs less without SQLAlchemy's transaction object and events)."""
+        with self._writers:
+            if self.dialect == "sqlite":
+                return sqlite_engine.in_driver_transaction(conn, work)
+            with conn.begin():
+                return work(conn)
 
     def prepared(self, statement: Any) -> Prepared:
         """``statement`` compiled for this database, once (see ``Prepared``)."""
@@ -269,8 +279,7 @@ class Pinned:
     transaction.
 
     ``write`` and ``write_one`` are ``Database.write`` and ``write_one`` on them (on
-    PostgreSQL one connection for each: ``write_one``'s is in autocommit; on SQLite
-    ``write`` begins and commits on the driver's connection). One thread
+    PostgreSQL one connection for each: ``write_one``'s is in autocommit). One thread
     uses them at a time; a thread that finds them in use goes through the pool. After
     any error the connections are closed and the next transaction (a retry included)
     takes a fresh one.
@@ -308,11 +317,7 @@ class Pinned:
                 if conn.in_transaction():  # begun by an execute of SQLAlchemy's own
                     conn.commit()
                 return result
-            with self.db._writers:
-                if self.db.dialect == "sqlite":
-                    return sqlite_engine.in_driver_transaction(conn, work)
-                with conn.begin():
-                    return work(conn)
+            return self.db._transaction(conn, work)
         except BaseException:
             self.close()
             raise

@@ -71,15 +71,17 @@ class Prepared:
 
     def params(self, values: Mapping[str, Any]) -> Any:
         """The driver's parameters from ``values`` (by bind name; literals filled in)."""
+        gather = self._gather
         try:  # every value given, as on the hot path: gathered by one itemgetter
-            out = list(self._gather(values)) if self._gather is not None else None
-        except KeyError:
-            out = None
-        if out is None:
-            out = [values[n] if n in values else self._defaults[n] for n in self._names]
+            out = list(gather(values)) if gather is not None else self._filled(values)
+        except KeyError:  # some left to their defaults
+            out = self._filled(values)
         for i, process in self._process:
             out[i] = process(out[i])
         return out if self._positional else dict(zip(self._names, out, strict=True))
+
+    def _filled(self, values: Mapping[str, Any]) -> list[Any]:
+        return [values[n] if n in values else self._defaults[n] for n in self._names]
 
     def execute(self, conn: Connection, values: Mapping[str, Any]) -> Any:
         """Run once; returns the driver's cursor."""

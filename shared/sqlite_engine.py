@@ -8,6 +8,7 @@ with ``BEGIN``. ``agentbus.db`` builds its SQLite databases from these.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import sqlite3
@@ -69,11 +70,19 @@ def in_driver_transaction(conn: Connection, work: Callable[[Connection], T]) -> 
     cursor (``Prepared``): SQLAlchemy's transaction around them (its object, its
     events) cost more than a short statement. A statement ``work`` executes through
     SQLAlchemy makes it begin a transaction of its own, whose BEGIN the engine's hook
-    leaves out; it is committed here. On an error the caller drops the connection,
-    and the pool rolls it back."""
+    leaves out; it is committed here. On an error the transaction is rolled back here,
+    before the caller's writers' turn ends."""
     driver: Any = conn.connection.dbapi_connection
     statement(driver, "BEGIN IMMEDIATE")
-    result = work(conn)
+    try:
+        result = work(conn)
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error, sa.exc.SQLAlchemyError):  # the error goes on
+            if conn.in_transaction():
+                conn.rollback()  # SQLAlchemy's, which rolls the driver back
+            else:
+                driver.execute("ROLLBACK")
+        raise
     if conn.in_transaction():
         conn.commit()
     else:

@@ -194,13 +194,19 @@ def test_pinned_writes_are_transactions_and_single_statements_commit_alone(db: D
         conn.exec_driver_sql(f"INSERT INTO {table} VALUES (3)")
         raise RuntimeError("the unit of work fails")
 
-    def on_the_driver(conn: sa.Connection) -> None:  # no statement through SQLAlchemy
-        conn.connection.dbapi_connection.execute(f"INSERT INTO {table} VALUES (5)")  # type: ignore[union-attr]
+    def on_the_driver(conn: sa.Connection, n: int = 5) -> None:  # none through SQLAlchemy
+        conn.connection.dbapi_connection.execute(f"INSERT INTO {table} VALUES ({n})")  # type: ignore[union-attr]
+
+    def on_the_driver_then_fail(conn: sa.Connection) -> None:
+        on_the_driver(conn, 7)
+        raise RuntimeError("the unit of work fails")
 
     insert(1)
     with pytest.raises(RuntimeError):
         db.pinned.write(two_then_fail)
     insert(4)
+    with pytest.raises(RuntimeError):
+        db.pinned.write(on_the_driver_then_fail)
     db.pinned.write(on_the_driver)
     db.pinned.write(lambda conn: conn.exec_driver_sql(f"INSERT INTO {table} VALUES (6)"))
     with db.engine.connect() as conn:
