@@ -228,20 +228,30 @@ _WINDOWS: dict[str, Any] = {
 }
 
 
-def _newest(gate: str, window: Any) -> Any:
-    """The number of the window's newest call (NULL: none). Read down the window's own
-    index, whatever the planner's statistics say (a fresh table has none)."""
+@functools.cache
+def newest_call(gate: str) -> Any:
+    """The newest call of the window ``gate`` (bind parameters ``p_<column>``): its number
+    (``seq``) and its time (``admitted_at``); no row: none yet. A CTE, so a statement
+    reads it once however many of its parts ask (each subquery is a plan the server
+    sets up on every run), down the window's own index whatever the planner's
+    statistics say (a fresh table has none)."""
     seq = WINDOW_SEQ[gate]
     keys = [c.desc() for c in _WINDOW_KEYS[gate]]
-    query = sa.select(seq).where(window, seq.is_not(None))
-    return query.order_by(*keys, seq.desc()).limit(1).scalar_subquery()
+    newest = sa.select(seq.label("seq"), call_slots.c.admitted_at).where(
+        _WINDOWS[gate], seq.is_not(None)
+    )
+    return newest.order_by(*keys, seq.desc()).limit(1).cte(f"newest_{gate}")
 
 
-def next_in_window(gate: str, values: Mapping[str, Any]) -> Any:
-    """The number of a call the window ``gate`` admits now, ``values`` its key columns:
-    one past the window's newest. Taken under the gate's lock, so no two calls of a
-    window get one number."""
-    return sa.func.coalesce(_newest(gate, _window(gate, values)), 0) + 1
+def _newest_seq(gate: str) -> Any:
+    """The number of the window's newest call (NULL: none)."""
+    return sa.select(newest_call(gate).c.seq).scalar_subquery()
+
+
+def next_in_window(gate: str) -> Any:
+    """The number of a call the window ``gate`` admits now: one past the window's newest.
+    Taken under the gate's lock, so no two calls of a window get one number."""
+    return sa.func.coalesce(_newest_seq(gate), 0) + 1
 
 
 @functools.cache
@@ -276,7 +286,7 @@ def count_columns(
         since = sa.bindparam(f"p_{gate}_since", type_=sa.Float)
         window = sa.bindparam(f"p_{gate}_window", type_=sa.Float)
         in_window = sa.and_(_WINDOWS[gate], call_slots.c.admitted_at > since)
-        nth = _newest(gate, _WINDOWS[gate]) - sa.bindparam(f"p_{gate}_offset", type_=sa.Integer)
+        nth = _newest_seq(gate) - sa.bindparam(f"p_{gate}_offset", type_=sa.Integer)
         at = call_slots.c.admitted_at
         asked.append(  # the limit-th newest call, if it is in the window: found by number
             sa.select(sa.case((at + window > now, at), else_=None))
@@ -304,16 +314,11 @@ def admitted_now(windows: tuple[str, ...]) -> Any:
     ``windows`` if that is later (a clock read before the gates' locks were granted, or
     a host's clock behind another's). A window's calls then keep their times in their
     order, which its count by number relies on."""
-    moment: Any = _P_NOW
-    for gate in windows:
-        newest = (
-            sa.select(call_slots.c.admitted_at)
-            .where(_WINDOWS[gate], WINDOW_SEQ[gate] == _newest(gate, _WINDOWS[gate]))
-            .limit(1)
-            .scalar_subquery()
-        )
-        moment = sa.case((newest > moment, newest), else_=moment)
-    return moment
+    if not windows:
+        return _P_NOW
+    times = [sa.select(_P_NOW.label("at"))]
+    times += [sa.select(newest_call(gate).c.admitted_at) for gate in windows]
+    return sa.select(sa.func.max(sa.union_all(*times).subquery().c.at)).scalar_subquery()
 
 
 def admits(

@@ -62,7 +62,7 @@ def _slot_values(windows: tuple[str, ...]) -> dict[str, Any]:
         name: sa.bindparam(name, type_=call_slots.c[name].type) for name in _TAKEN
     }
     for gate in windows:
-        values[WINDOW_SEQ[gate].key] = next_in_window(gate, values)
+        values[WINDOW_SEQ[gate].key] = next_in_window(gate)
     return values
 
 
