@@ -14,7 +14,8 @@ written, and a task without models or role takes its agent's chain. Errors a
 caller can act on are ``agentbus.errors.BusError`` subclasses.
 
 ``wait`` and ``wait_many`` return as soon as the tasks settle: on PostgreSQL a
-``LISTEN agentbus_settled`` connection (opened at the first wait) wakes them,
+``LISTEN agentbus_settled`` connection (opened at the first wait; while it is
+open, settles notify) wakes them,
 on SQLite they look again after 5 ms, doubling up to 50 ms.
 ``AsyncAgentBus`` offers the same methods to asyncio code.
 """
@@ -252,7 +253,10 @@ class AgentBus:
             return
         url = self.db.engine.url.set(drivername="postgresql")
         self._listener = wakeups.Listener(
-            url.render_as_string(hide_password=False), self._heard, channel=wakeups.SETTLED
+            url.render_as_string(hide_password=False),
+            self._heard,
+            channel=wakeups.SETTLED,
+            register=True,
         ).start()
 
     def _heard(self) -> None:

@@ -417,3 +417,16 @@ bus_observations = sa.Table(
     sa.Column("le", sa.Text, primary_key=True),
     sa.Column("value", sa.Float, nullable=False, server_default="0"),
 )
+
+#: Producers listening for settled tasks (``AgentBus.wait`` on PostgreSQL): each
+#: listening connection keeps its row while it listens (``until``, by the database's
+#: clock, renewed well before it passes). A settle sends ``NOTIFY agentbus_settled``
+#: only while some row is current: a notifying commit takes a lock every other
+#: notifying commit of the cluster waits for, so a fleet nobody waits on commits
+#: without it (``agentbus.queue.wakeups``).
+settle_listeners = sa.Table(
+    "settle_listeners",
+    metadata,
+    sa.Column("listener", sa.Text, primary_key=True),
+    sa.Column("until", Epoch, nullable=False),
+)

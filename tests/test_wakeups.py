@@ -8,6 +8,8 @@ import pytest
 
 from agentbus.db import Database
 from agentbus.queue import TaskQueue, wakeups
+from agentbus.queue.decisions import Complete, Settlement
+from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
 from tests.support import FakeClock
 
@@ -75,3 +77,70 @@ def test_notify_is_one_statement_per_agent(db: Database, agents: tuple[str, ...]
     wakeups.notify(Recorder(), agents)  # type: ignore[arg-type]
     expected = [{"agent": a} for a in sorted(set(agents))] if db.dialect == "postgresql" else []
     assert sent == expected
+
+
+def test_a_settle_notifies_only_while_a_producer_listens(db: Database) -> None:
+    """A task's end is notified (``agentbus_settled``) while a producer's listener keeps
+    its row, and not before or after: a notifying commit waits for every other one."""
+    queue = TaskQueue(db)
+    queue.enqueue_many(
+        [TaskSpec(agent="codex", command=str(i), models=("sim/a",)) for i in range(6)]
+    )
+
+    def settle_one_each_way() -> None:
+        """One completion on its own (``complete``) and one in a worker's steady state."""
+        (task,) = queue.claim("codex", "w", 30)
+        queue.complete(task.id, task.claim_token, "ok")
+        (task,) = queue.claim("codex", "w", 30)
+        ack = Settlement(task.id, task.claim_token, Complete("ok"))
+        assert queue.settle_and_claim([ack], "codex", "w", 30, 0) == ([], [])
+        assert queue.get(task.id).status == TaskStatus.DONE
+
+    if db.dialect == "sqlite":  # nothing to notify (producers look): settles as ever
+        settle_one_each_way()
+        return
+    import psycopg
+
+    url = db.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(url, autocommit=True) as spy:
+        spy.execute(f"LISTEN {wakeups.SETTLED}")
+        spy.execute("LISTEN test_marker")
+
+        def heard_settled() -> bool:
+            """Whether ``agentbus_settled`` came before a marker sent now: a listener
+            hears notifications in their transactions' commit order."""
+            with psycopg.connect(url, autocommit=True) as other:
+                other.execute("NOTIFY test_marker")
+            heard = False
+            for note in spy.notifies(timeout=30):
+                if note.channel == "test_marker":
+                    return heard
+                heard = heard or note.channel == wakeups.SETTLED
+            raise AssertionError("the marker never came")
+
+        settle_one_each_way()
+        assert not heard_settled()  # nobody registered: no notification
+        registered = threading.Event()
+        listener = wakeups.Listener(
+            url, registered.set, channel=wakeups.SETTLED, register=True
+        ).start()
+        try:
+            assert registered.wait(30)  # it wakes its owner once its row is written
+            for settle in (
+                lambda: queue.complete(*_claimed(queue), "ok"),
+                lambda: queue.settle_and_claim(
+                    [Settlement(*_claimed(queue), Complete("ok"))], "codex", "w", 30, 0
+                ),
+            ):
+                settle()
+                assert heard_settled()
+        finally:
+            listener.close(wait=5.0)
+        assert not listener._thread.is_alive()  # gone, and its row with it
+        settle_one_each_way()
+        assert not heard_settled()
+
+
+def _claimed(queue: TaskQueue) -> tuple[int, int]:
+    (task,) = queue.claim("codex", "w", 30)
+    return task.id, task.claim_token

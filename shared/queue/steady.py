@@ -26,7 +26,7 @@ from agentbus.admission import usage
 from agentbus.admission.gates import day_of
 from agentbus.db import Database
 from agentbus.prepared import prepared
-from agentbus.queue import events
+from agentbus.queue import events, wakeups
 from agentbus.queue.decisions import Complete, Settlement
 from agentbus.queue.statements import (
     COMPLETE_MANY_POSTGRES,
@@ -118,10 +118,11 @@ def ack_and_claim_postgres(*, single: bool = False) -> sa.Select[Any]:
     ).cte("write_usage")
     one = sa.select(sa.literal(1).label("one")).subquery("one")
     acked_ids = sa.select(sa.func.array_agg(acked.c.id)).scalar_subquery().label("acked")
-    # Producers waiting for tasks hear that some are done (one notification per commit).
+    # Producers waiting for tasks hear that some are done (one notification per commit,
+    # only while one listens).
     settled = (
         sa.select(sa.func.pg_notify(SETTLED, ""))
-        .where(sa.exists(sa.select(acked.c.id)))
+        .where(sa.exists(sa.select(acked.c.id)), wakeups.listening())
         .scalar_subquery()
         .label("settled")
     )

@@ -8,25 +8,57 @@ such thing: there an idle worker looks every ``LOOK_SEC`` (50 ms) with a read
 when something is due. Either way a worker also tries a claim every
 ``poll_sec``: a notification is a hint, and a task whose ``run_after`` has
 just come sends none.
+
+A task that reaches an end sends ``NOTIFY agentbus_settled`` for the producers
+waiting for tasks (``AgentBus.wait``), but only while one listens: each listening
+connection keeps a row of ``settle_listeners`` current (``Listener(register=True)``).
+A notifying commit holds a lock of the whole cluster that every other notifying
+commit waits for, so the settles of a fleet nobody waits on commit side by side.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
+import time
+import uuid
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.logging import get_logger
+from agentbus.schema import settle_listeners
 
 log = get_logger("agentbus.wakeups")
 
 CHANNEL = "agentbus_queued"
 SETTLED = "agentbus_settled"  # a task reached an end (done, failed, error, cancelled)
 LOOK_SEC = 0.05
+#: How long a listener's row holds (seconds, by the database's clock); it is renewed
+#: a third of the way in.
+LISTENER_TTL_SEC = 30.0
 _NOTIFY = sa.select(sa.func.pg_notify(CHANNEL, sa.bindparam("agent")))
-_SETTLED = sa.select(sa.func.pg_notify(SETTLED, ""))
+
+
+def listening() -> sa.Exists:
+    """SQL (PostgreSQL): a producer listens for settled tasks now."""
+    now = sa.func.extract("epoch", sa.func.now())
+    return sa.exists().where(settle_listeners.c.until > now)
+
+
+_SETTLED = sa.select(sa.func.pg_notify(SETTLED, "")).where(listening())
+# A listener's row: stale rows (their process gone) go first; then its own, until
+# LISTENER_TTL_SEC from now. Plain SQL: a listener talks to psycopg directly.
+_REGISTER = (
+    "DELETE FROM settle_listeners WHERE until < extract(epoch from now())",
+    "INSERT INTO settle_listeners (listener, until)"
+    " VALUES (%(listener)s, extract(epoch from now()) + %(ttl)s)"
+    " ON CONFLICT (listener) DO UPDATE SET until = excluded.until",
+)
+_UNREGISTER = "DELETE FROM settle_listeners WHERE listener = %(listener)s"
 
 
 def notify(conn: Connection, agents: Iterable[str]) -> None:
@@ -39,7 +71,7 @@ def notify(conn: Connection, agents: Iterable[str]) -> None:
 
 def settled(conn: Connection) -> None:
     """Tell the producers waiting for tasks that some reached an end (PostgreSQL; on
-    commit): each looks again at the tasks it waits for."""
+    commit, and only while one listens): each looks again at the tasks it waits for."""
     if conn.dialect.name == "postgresql":
         conn.execute(_SETTLED)
 
@@ -48,7 +80,11 @@ class Listener:
     """Calls ``wake()`` whenever ``channel`` is notified with ``payload`` (None: any) — a
     task of an agent queued, or tasks settled — from a thread LISTENing on its own
     PostgreSQL connection; it reconnects after an error, and wakes its owner then
-    too, since something may have happened meanwhile."""
+    too, since something may have happened meanwhile.
+
+    With ``register`` (the settled tasks' channel) it keeps a row of
+    ``settle_listeners`` current while it listens, so that settles notify; it wakes
+    its owner once the row is there (a settle that began before may not have seen it)."""
 
     def __init__(
         self,
@@ -57,9 +93,12 @@ class Listener:
         *,
         channel: str = CHANNEL,
         payload: str | None = None,
+        register: bool = False,
     ) -> None:
         self.conninfo, self.wake = conninfo, wake
         self.channel, self.payload = channel, payload
+        self.register = register
+        self.name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="wakeups", daemon=True)
 
@@ -80,11 +119,24 @@ class Listener:
             try:
                 with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=10) as conn:
                     conn.execute(f"LISTEN {self.channel}")
+                    renew = self._keep_row(conn, 0.0)
                     self.wake()
                     while not self._closed.is_set():
                         for note in conn.notifies(timeout=0.5):
                             if self.payload is None or note.payload == self.payload:
                                 self.wake()
+                        renew = self._keep_row(conn, renew)
+                    if self.register:
+                        conn.execute(_UNREGISTER, {"listener": self.name})
             except Exception as exc:  # the database is away: poll meanwhile, try again
                 log.warning("wakeups_unavailable", error=f"{type(exc).__name__}: {exc}")
                 self._closed.wait(5.0)
+
+    def _keep_row(self, conn: Any, renew: float) -> float:
+        """With ``register``: write this listener's row once it is due for renewal
+        (monotonic time ``renew``); returns when it is due next."""
+        if not self.register or time.monotonic() < renew:
+            return renew
+        for sql in _REGISTER:
+            conn.execute(sql, {"listener": self.name, "ttl": LISTENER_TTL_SEC})
+        return time.monotonic() + LISTENER_TTL_SEC / 3
