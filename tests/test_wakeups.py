@@ -136,7 +136,8 @@ def test_a_settle_notifies_only_while_a_producer_listens(db: Database) -> None:
                 assert heard_settled()
         finally:
             listener.close(wait=5.0)
-        assert not listener._thread.is_alive()  # gone, and its row with it
+        with psycopg.connect(url) as conn:  # gone, and its row with it
+            assert conn.execute("SELECT count(*) FROM settle_listeners").fetchone() == (0,)
         settle_one_each_way()
         assert not heard_settled()
 
