@@ -87,17 +87,25 @@ def test_a_settle_notifies_only_while_a_producer_listens(db: Database) -> None:
         [TaskSpec(agent="codex", command=str(i), models=("sim/a",)) for i in range(6)]
     )
 
-    def settle_one_each_way() -> None:
-        """One completion on its own (``complete``) and one in a worker's steady state."""
+    def claimed() -> tuple[int, int]:
         (task,) = queue.claim("codex", "w", 30)
-        queue.complete(task.id, task.claim_token, "ok")
-        (task,) = queue.claim("codex", "w", 30)
-        ack = Settlement(task.id, task.claim_token, Complete("ok"))
-        assert queue.settle_and_claim([ack], "codex", "w", 30, 0) == ([], [])
-        assert queue.get(task.id).status == TaskStatus.DONE
+        return task.id, task.claim_token
 
+    def complete_alone() -> None:
+        task_id, token = claimed()
+        queue.complete(task_id, token, "ok")
+        assert queue.get(task_id).status == TaskStatus.DONE
+
+    def complete_in_steady_state() -> None:
+        task_id, token = claimed()
+        ack = Settlement(task_id, token, Complete("ok"))
+        assert queue.settle_and_claim([ack], "codex", "w", 30, 0) == ([], [])
+        assert queue.get(task_id).status == TaskStatus.DONE
+
+    settles = (complete_alone, complete_in_steady_state)
     if db.dialect == "sqlite":  # nothing to notify (producers look): settles as ever
-        settle_one_each_way()
+        for settle in settles:
+            settle()
         return
     import psycopg
 
@@ -118,30 +126,22 @@ def test_a_settle_notifies_only_while_a_producer_listens(db: Database) -> None:
                 heard = heard or note.channel == wakeups.SETTLED
             raise AssertionError("the marker never came")
 
-        settle_one_each_way()
-        assert not heard_settled()  # nobody registered: no notification
+        for settle in settles:
+            settle()
+            assert not heard_settled()  # nobody registered: no notification
         registered = threading.Event()
         listener = wakeups.Listener(
             url, registered.set, channel=wakeups.SETTLED, register=True
         ).start()
         try:
             assert registered.wait(30)  # it wakes its owner once its row is written
-            for settle in (
-                lambda: queue.complete(*_claimed(queue), "ok"),
-                lambda: queue.settle_and_claim(
-                    [Settlement(*_claimed(queue), Complete("ok"))], "codex", "w", 30, 0
-                ),
-            ):
+            for settle in settles:
                 settle()
                 assert heard_settled()
         finally:
             listener.close(wait=5.0)
         with psycopg.connect(url) as conn:  # gone, and its row with it
             assert conn.execute("SELECT count(*) FROM settle_listeners").fetchone() == (0,)
-        settle_one_each_way()
-        assert not heard_settled()
-
-
-def _claimed(queue: TaskQueue) -> tuple[int, int]:
-    (task,) = queue.claim("codex", "w", 30)
-    return task.id, task.claim_token
+        for settle in settles:
+            settle()
+            assert not heard_settled()

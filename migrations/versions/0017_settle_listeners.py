@@ -16,14 +16,15 @@ down_revision = "0016"
 branch_labels = None
 depends_on = None
 
+# REAL on SQLite; double precision on Postgres (its REAL is 4 bytes: seconds lost).
+Epoch = sa.Float(precision=53).with_variant(sa.REAL(), "sqlite")
+
 
 def upgrade() -> None:
     op.create_table(
         "settle_listeners",
         sa.Column("listener", sa.Text, primary_key=True),
-        sa.Column(
-            "until", sa.Float(precision=53).with_variant(sa.REAL(), "sqlite"), nullable=False
-        ),
+        sa.Column("until", Epoch, nullable=False),
     )
 
 

@@ -40,7 +40,6 @@ from agentbus.queue.statements import (
     settle_params,
 )
 from agentbus.queue.states import TaskStatus
-from agentbus.queue.wakeups import SETTLED
 from agentbus.schema import route_log, task_events
 
 QUEUED, CLAIMED = TaskStatus.QUEUED.value, TaskStatus.CLAIMED.value
@@ -121,10 +120,7 @@ def ack_and_claim_postgres(*, single: bool = False) -> sa.Select[Any]:
     # Producers waiting for tasks hear that some are done (one notification per commit,
     # only while one listens).
     settled = (
-        sa.select(sa.func.pg_notify(SETTLED, ""))
-        .where(sa.exists(sa.select(acked.c.id)), wakeups.listening())
-        .scalar_subquery()
-        .label("settled")
+        wakeups.settled_notice(sa.exists(sa.select(acked.c.id))).scalar_subquery().label("settled")
     )
     return (
         sa.select(acked_ids, settled, *claimed.c)

@@ -49,7 +49,13 @@ def listening() -> sa.Exists:
     return sa.exists().where(settle_listeners.c.until > now)
 
 
-_SETTLED = sa.select(sa.func.pg_notify(SETTLED, "")).where(listening())
+def settled_notice(*conditions: Any) -> sa.Select[Any]:
+    """SQL (PostgreSQL): notify the producers waiting for tasks, only while one listens
+    and ``conditions`` hold (the steady state's: some completion held)."""
+    return sa.select(sa.func.pg_notify(SETTLED, "")).where(listening(), *conditions)
+
+
+_SETTLED = settled_notice()
 # A listener's row: stale rows (their process gone) go first; then its own, until
 # LISTENER_TTL_SEC from now. Plain SQL: a listener talks to psycopg directly.
 _REGISTER = (
