@@ -73,8 +73,15 @@ def mask(text: str) -> str:
     return masked
 
 
+#: Values with no text inside, answered without the checks below (a log line's ids,
+#: counts and times: most of its values).
+_SCALARS = frozenset((int, float, bool, type(None)))
+
+
 def mask_value(value: Any) -> Any:
     """``mask`` applied to every string inside a JSON-like value."""
+    if type(value) in _SCALARS:
+        return value
     if isinstance(value, str):
         return mask(value)
     if isinstance(value, Mapping):
