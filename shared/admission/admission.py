@@ -21,8 +21,8 @@ the last slot.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, NamedTuple
@@ -56,6 +56,9 @@ from agentbus.prepared import at_once, can_run_at_once, prepared
 from agentbus.providers.outcomes import AuthFailed, Outcome, RateLimited, Succeeded, TimedOut, Usage
 
 log = get_logger("agentbus.admission")
+
+_NO_PASS = nullcontext()  # a walk without a client budget
+_LIMITS_KEPT = 256  # (candidate, agent) pairs whose limits a worker keeps
 
 
 @dataclass(eq=False)
@@ -127,6 +130,10 @@ class Admission:
         self._read_at: float | None = None
         self._unusable: set[accounts.Unusable] = set()
         self._resolutions = KeptResolutions()
+        self._kept_limits: tuple[tuple[Any, Any], dict[tuple[Candidate, str], Limits]] = (
+            (None, None),
+            {},
+        )
         # A reloaded config applies at the next call: windows, slots and circuits
         # live on in the database, keyed by the names the config gives.
         self.live = config if isinstance(config, LiveConfig) else LiveConfig(config, watch=False)
@@ -159,15 +166,10 @@ class Admission:
 
     # -- admitting -----------------------------------------------------------
 
-    @contextmanager
-    def walk(self) -> Iterator[None]:
+    def walk(self) -> AbstractContextManager[object]:
         """One task's walk over its candidates: a client-budget bulk pass, so that the
         refusals of the whole walk become one ``refused_batch`` event."""
-        if self.budget is None:
-            yield
-            return
-        with self.budget.bulk_pass():
-            yield
+        return _NO_PASS if self.budget is None else self.budget.bulk_pass()
 
     def admit(
         self,
@@ -256,7 +258,7 @@ class Admission:
             if isinstance(verdict, Refusal):
                 refusals.append(verdict)
             gates["circuit"] = verdict if isinstance(verdict, str) else "refused"
-        limits = Limits.of(self.catalog, self.settings, c, agent)
+        limits = self._limits(c, agent)
         limited = limits.any
         if refusals:
             # Refused already (from the caches); but it is admitted only once every
@@ -477,6 +479,21 @@ class Admission:
         """Read circuits and refused accounts now (the sweeper: once per pass)."""
         self._read_at = None
         self._refresh()
+
+    def _limits(self, c: Candidate, agent: str) -> Limits:
+        """``Limits.of``, kept while the catalog and the settings are the same objects (a
+        reload replaces them): a worker asks for the same few at every call."""
+        catalog, settings = self.catalog, self.settings
+        kept_for, kept = self._kept_limits
+        if kept_for[0] is not catalog or kept_for[1] is not settings:
+            kept = {}
+            self._kept_limits = ((catalog, settings), kept)
+        limits = kept.get((c, agent))
+        if limits is None:
+            limits = Limits.of(catalog, settings, c, agent)
+            if len(kept) < _LIMITS_KEPT:
+                kept[(c, agent)] = limits
+        return limits
 
     def _refresh(self) -> None:
         now = self.clock()

@@ -31,8 +31,7 @@ import functools
 import math
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
@@ -57,6 +56,22 @@ class Reserve(enum.StrEnum):
     RESERVED = "reserved"
     ALREADY_HELD = "already_held"
     REFUSED = "refused"
+
+
+class _BulkPass:
+    """``with budget.bulk_pass():`` the refusals inside become one ``refused_batch``
+    event (passes nest, per thread). A class, not a generator: every task opens one."""
+
+    __slots__ = ("budget",)
+
+    def __init__(self, budget: _Budget) -> None:
+        self.budget = budget
+
+    def __enter__(self) -> None:
+        self.budget.begin_pass()
+
+    def __exit__(self, *exc: object) -> None:
+        self.budget.end_pass()
 
 
 class _Budget:
@@ -107,13 +122,8 @@ class _Budget:
             "last_refused": self.last_refused(),
         }
 
-    @contextmanager
-    def bulk_pass(self) -> Iterator[None]:
-        self.begin_pass()
-        try:
-            yield
-        finally:
-            self.end_pass()
+    def bulk_pass(self) -> _BulkPass:
+        return _BulkPass(self)
 
     def begin_pass(self) -> None:
         self._passes.depth = self.depth + 1
