@@ -13,8 +13,7 @@ from __future__ import annotations
 import copy
 import operator
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -86,7 +85,7 @@ class Prepared:
     def execute(self, conn: Connection, values: Mapping[str, Any]) -> Any:
         """Run once; returns the driver's cursor."""
         params = self.params(values)
-        with _as_sqlalchemy_errors(conn, self.sql, params):
+        with _AsSQLAlchemyErrors(conn, self.sql, params):
             if not self._server_side:
                 return _sqlite_cursor(conn).execute(self.sql, params)
             return _raw_cursor(conn, self._binary_arrays).execute(self.sql, params, prepare=True)
@@ -94,10 +93,10 @@ class Prepared:
     def execute_many(self, conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
         params = [self.params(row) for row in rows]
         if params and self._server_side:
-            with _as_sqlalchemy_errors(conn, self.sql, params):
+            with _AsSQLAlchemyErrors(conn, self.sql, params):
                 _raw_cursor(conn, self._binary_arrays).executemany(self.sql, params)
         elif params:
-            with _as_sqlalchemy_errors(conn, self.sql, params):
+            with _AsSQLAlchemyErrors(conn, self.sql, params):
                 _sqlite_cursor(conn).executemany(self.sql, params)
 
     def rows(self, cursor: Any) -> list[dict[str, Any]]:
@@ -178,7 +177,7 @@ def at_once(
     cursors = [_raw_cursor(conn, s._binary_arrays, slot=i) for i, (s, _) in enumerate(steps)]
     commands = _raw_cursor(conn, slot="commands")
     driver: Any = conn.connection.driver_connection
-    with _as_sqlalchemy_errors(conn, steps[-1][0].sql, params[-1]):
+    with _AsSQLAlchemyErrors(conn, steps[-1][0].sql, params[-1]):
         with driver.pipeline():
             commands.execute("BEGIN")
             for cursor, (statement, _), values in zip(cursors, steps, params, strict=True):
@@ -236,19 +235,34 @@ def _sqlite_cursor(conn: Connection) -> Any:
     return cursor
 
 
-@contextmanager
-def _as_sqlalchemy_errors(conn: Connection, sql: str, params: Any) -> Iterator[None]:
+class _AsSQLAlchemyErrors:
     """A driver error raised as SQLAlchemy raises it (``DBAPIError``: what ``is_transient``
-    and the callers know), invalidating the connection when it was lost."""
-    dbapi = conn.dialect.loaded_dbapi
-    try:
-        yield
-    except dbapi.Error as exc:
+    and the callers know), invalidating the connection when it was lost. A class, not
+    a generator: every statement of the hot path runs in one."""
+
+    __slots__ = ("conn", "params", "sql")
+
+    def __init__(self, conn: Connection, sql: str, params: Any) -> None:
+        self.conn, self.sql, self.params = conn, sql, params
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, _kind: object, exc: BaseException | None, _tb: object) -> None:
+        conn = self.conn
+        dbapi = conn.dialect.loaded_dbapi
+        if exc is None or not isinstance(exc, dbapi.Error):
+            return
         lost = conn.dialect.is_disconnect(exc, conn.connection.dbapi_connection, None)
         if lost:
             conn.invalidate(exc)
         raise sa.exc.DBAPIError.instance(
-            sql, params, exc, dbapi.Error, connection_invalidated=lost, dialect=conn.dialect
+            self.sql,
+            self.params,
+            exc,
+            dbapi.Error,
+            connection_invalidated=lost,
+            dialect=conn.dialect,
         ) from exc
 
 
