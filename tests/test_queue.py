@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from agentbus.queue import Settlement, TaskQueue, reads
 from agentbus.queue.decisions import Complete
 from agentbus.queue.statements import claim_statement
 from agentbus.queue.states import TaskStatus
-from agentbus.queue.tasks import TaskSpec
+from agentbus.queue.tasks import Task, TaskSpec
 from agentbus.schema import bus_commands
 from tests.support import FakeClock
 
@@ -154,6 +155,26 @@ def test_claim_sets_lease_token_and_event(queue: TaskQueue, clock: FakeClock) ->
     assert task.lease_until == clock.now + 45
     last = reads.task_events(queue.db, task_id)[-1]
     assert (last["to_status"], last["worker"], last["claim_token"]) == ("claimed", "worker-1", 1)
+
+
+def test_a_task_read_from_its_row_is_the_task_its_fields_make(queue: TaskQueue) -> None:
+    """``Task.from_row`` sets a frozen Task's fields at once (its __init__ sets each in
+    turn): the Task it reads equals, field for field, the one __init__ makes, and
+    stays frozen; so does a row that cannot be run (its problem read)."""
+    queue.enqueue(spec(payload={"messages": [{"role": "user", "content": "hi"}]}, priority=3))
+    bad = queue.enqueue(spec(text="bad")).id
+    queue.db.write(
+        lambda conn: conn.execute(
+            sa.update(bus_commands).where(bus_commands.c.id == bad).values(payload=[1])
+        )
+    )
+    tasks = queue.claim("codex", "w", 30, limit=2)
+    assert [t.problem for t in tasks] == [None, "the payload is a JSON list, not a JSON object"]
+    for task in tasks:
+        fields = {f.name: getattr(task, f.name) for f in dataclasses.fields(Task)}
+        assert task == Task(**fields) and vars(task) == fields
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            task.attempts = 9  # type: ignore[misc]
 
 
 def test_claim_batch(queue: TaskQueue) -> None:
