@@ -46,7 +46,7 @@ from agentbus.admission.gates import (
     cost,
     refuse,
 )
-from agentbus.admission.limits import Limits
+from agentbus.admission.limits import KeptLimits, Limits
 from agentbus.admission.routing import Candidate, KeptResolutions, Resolution, fingerprint
 from agentbus.catalog import Catalog
 from agentbus.config import Config, LiveConfig, Settings
@@ -58,7 +58,6 @@ from agentbus.providers.outcomes import AuthFailed, Outcome, RateLimited, Succee
 log = get_logger("agentbus.admission")
 
 _NO_PASS = nullcontext()  # a walk without a client budget
-_LIMITS_KEPT = 256  # (candidate, agent) pairs whose limits a worker keeps
 
 
 @dataclass(eq=False)
@@ -130,10 +129,7 @@ class Admission:
         self._read_at: float | None = None
         self._unusable: set[accounts.Unusable] = set()
         self._resolutions = KeptResolutions()
-        self._kept_limits: tuple[tuple[Any, Any], dict[tuple[Candidate, str], Limits]] = (
-            (None, None),
-            {},
-        )
+        self._limits = KeptLimits()
         # A reloaded config applies at the next call: windows, slots and circuits
         # live on in the database, keyed by the names the config gives.
         self.live = config if isinstance(config, LiveConfig) else LiveConfig(config, watch=False)
@@ -258,7 +254,7 @@ class Admission:
             if isinstance(verdict, Refusal):
                 refusals.append(verdict)
             gates["circuit"] = verdict if isinstance(verdict, str) else "refused"
-        limits = self._limits(c, agent)
+        limits = self._limits.of(self.catalog, self.settings, c, agent)
         limited = limits.any
         if refusals:
             # Refused already (from the caches); but it is admitted only once every
@@ -479,21 +475,6 @@ class Admission:
         """Read circuits and refused accounts now (the sweeper: once per pass)."""
         self._read_at = None
         self._refresh()
-
-    def _limits(self, c: Candidate, agent: str) -> Limits:
-        """``Limits.of``, kept while the catalog and the settings are the same objects (a
-        reload replaces them): a worker asks for the same few at every call."""
-        catalog, settings = self.catalog, self.settings
-        kept_for, kept = self._kept_limits
-        if kept_for[0] is not catalog or kept_for[1] is not settings:
-            kept = {}
-            self._kept_limits = ((catalog, settings), kept)
-        limits = kept.get((c, agent))
-        if limits is None:
-            limits = Limits.of(catalog, settings, c, agent)
-            if len(kept) < _LIMITS_KEPT:
-                kept[(c, agent)] = limits
-        return limits
 
     def _refresh(self) -> None:
         now = self.clock()

@@ -200,6 +200,29 @@ class Limits:
         return refusals, rooms
 
 
+class KeptLimits:
+    """``Limits.of`` for a worker, which asks for the same few at every call: answers
+    kept while the catalog and the settings are the same objects (a reload replaces
+    them)."""
+
+    MAX = 256  # (candidate, agent) pairs kept for one catalog
+
+    def __init__(self) -> None:
+        self._for: tuple[Catalog | None, Settings | None] = (None, None)
+        self._answers: dict[tuple[Candidate, str], Limits] = {}
+
+    def of(self, catalog: Catalog, settings: Settings, c: Candidate, agent: str) -> Limits:
+        if self._for[0] is not catalog or self._for[1] is not settings:
+            self._for, self._answers = (catalog, settings), {}
+        answers = self._answers
+        found = answers.get((c, agent))
+        if found is None:
+            found = Limits.of(catalog, settings, c, agent)
+            if len(answers) < self.MAX:
+                answers[(c, agent)] = found
+        return found
+
+
 _P_NOW = sa.bindparam("p_now", type_=sa.Float)
 #: How each gate that counts slots in flight picks its slots.
 _SLOT_GATES: dict[str, Any] = {
