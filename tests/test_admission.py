@@ -251,6 +251,17 @@ def test_daily_budget_refuses_until_the_utc_day_ends(
     assert isinstance(admit(adm, a), Permit)
 
 
+def test_a_routes_row_is_its_fields_and_nothing_it_shares() -> None:
+    gates, refusal = {"cooldown": "ok"}, {"code": -32001}
+    route = Route(7, 2, "codex", "sim/a", "refuse", 5.0, worker="w1", gates=gates, refusal=refusal)
+    row = route.row()
+    assert list(row) == [f.name for f in dataclasses.fields(Route)]  # route_log's columns
+    assert row == {f.name: getattr(route, f.name) for f in dataclasses.fields(Route)}
+    row["gates"]["cooldown"], row["refusal"]["code"], row["day"] = "x", 0, 1.0
+    assert (gates, refusal) == ({"cooldown": "ok"}, {"code": -32001})
+    assert list(route.row()) == [f.name for f in dataclasses.fields(Route)]
+
+
 def test_cooldowns_of_a_model_and_of_one_account(
     db: Database, clock: FakeClock, tmp_path: Path
 ) -> None:
