@@ -15,6 +15,8 @@ Workload (per backend):
 - worker processes: 2 real ``worker --drain`` processes run T/2 simulated no-op
   tasks one at a time (claim, call, complete, each its own transaction),
   measured from spawn to exit (start-up included); peak RSS of one worker.
+- memory: one idle worker's RSS (up, nothing to claim), and the RSS of an
+  interpreter that only imports SQLAlchemy and the database's driver.
 - sweeper resume pass: N paused tasks (1 % due) inserted directly; one
   ``jobs.resume`` pass, timed.
 - resume latency: a worker pauses 20 tasks on a 2 s cooldown; a sweeper
@@ -82,7 +84,7 @@ from agentbus.admission.cooldowns import CooldownStore
 from agentbus.config import LiveConfig, Settings
 from agentbus.db import Database, migrate
 from agentbus.logging import configure
-from agentbus.queue import TaskQueue
+from agentbus.queue import TaskQueue, reads
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import bus_commands
 from agentbus.sweeper import jobs
@@ -255,7 +257,34 @@ def bench_workers(url: str, synchronous: str, processes: int, tasks: int) -> lis
             )
         )
     rows.append(("worker RSS, peak", f"{peak_kib / 1024:,.1f} MiB"))
-    return rows
+    return rows + bench_memory(url, synchronous)
+
+
+def bench_memory(url: str, synchronous: str) -> list[tuple[str, str]]:
+    """An idle worker's RSS (up, its first claim found nothing, waiting), beside the RSS
+    of an interpreter that imports only the libraries a worker cannot do without
+    (SQLAlchemy and the database's driver): the floor under any worker of ours."""
+    agent = f"idle{uuid.uuid4().hex[:6]}"
+    db = Database(url, sqlite_synchronous=synchronous)
+    env = {**os.environ, "AGENTBUS_SQLITE_SYNCHRONOUS": synchronous}
+    argv = [str(Path(sys.executable).with_name("worker")), "--agent", agent, "--db", url]
+    try:
+        idle = measure.idle_rss_kib(argv, env, lambda: agent in reads.live_agents(db))
+    finally:
+        db.dispose()
+    driver = (
+        ["sqlite3", "sqlalchemy.dialects.sqlite"]
+        if db.dialect == "sqlite"
+        else ["psycopg", "sqlalchemy.dialects.postgresql.psycopg"]
+    )
+    floor = measure.import_floor_kib(["sqlalchemy", *driver])
+    return [
+        ("worker RSS, idle", f"{idle / 1024:,.1f} MiB ({idle * 1024 / 1e6:,.1f} MB)"),
+        (
+            "RSS of the interpreter importing SQLAlchemy and the driver alone",
+            f"{floor / 1024:,.1f} MiB ({floor * 1024 / 1e6:,.1f} MB)",
+        ),
+    ]
 
 
 def bench_sweeper(url: str, synchronous: str, sizes: list[int]) -> list[tuple[str, str]]:

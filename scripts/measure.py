@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import resource
 import subprocess
+import sys
 import textwrap
 import time
 import uuid
@@ -84,6 +85,36 @@ def rss_kib(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def idle_rss_kib(argv: list[str], env: dict[str, str], started: Callable[[], bool]) -> int:
+    """VmRSS of the process ``argv`` once it is idle: after ``started()`` says it is
+    up (its row is in the database), the largest of the readings over the next 3 s."""
+    child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not started():
+            if child.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"did not start: {argv}")
+            time.sleep(0.05)
+        readings = []
+        for _ in range(30):
+            time.sleep(0.1)
+            readings.append(rss_kib(child.pid))
+        return max(readings)
+    finally:
+        child.terminate()
+        child.wait(timeout=60)
+
+
+def import_floor_kib(modules: list[str]) -> int:
+    """VmRSS of an interpreter that imports ``modules`` and nothing else: what a process
+    that needs them holds before any code of its own."""
+    code = f"import {', '.join(modules)}; print(open('/proc/self/status').read())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
+    return next(int(line.split()[1]) for line in out.splitlines() if line.startswith("VmRSS:"))
 
 
 def _descendants(pid: int) -> list[int]:
