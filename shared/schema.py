@@ -53,7 +53,7 @@ BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 Epoch = sa.Float(precision=53).with_variant(sa.REAL(), "sqlite")
 
 STATUS_VALUES = ", ".join(f"'{s.value}'" for s in TaskStatus)
-STATUS_CHECK = f"status IN ({STATUS_VALUES})"
+STATUS_CHECK = f"status IN ({STATUS_VALUES})"  # SQLite's table has it as equalities (0018)
 
 bus_commands = sa.Table(
     "bus_commands",

@@ -16,7 +16,10 @@ from alembic.runtime.migration import MigrationContext
 from agentbus.db import Database, downgrade, head_revision, migrate
 from agentbus.errors import NotMigrated
 from agentbus.migrations import HEAD
+from agentbus.prepared import prepared
 from agentbus.queue import TaskQueue
+from agentbus.queue.statements import ENQUEUE_ONE, INSERT_EVENT, SETTLE, claim_statement
+from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import metadata
 from tests import legacy_db
@@ -211,6 +214,40 @@ def test_claim_and_due_queries_are_index_range_scans(db: Database) -> None:
         assert "SCAN bus_commands" not in plan.replace("USING INDEX", "")
         assert "Seq Scan" not in plan
         assert "TEMP B-TREE" not in plan  # the index gives the order: no sort
+
+
+def test_the_status_check_allows_the_statuses_and_nothing_else(db: Database) -> None:
+    insert = sa.text("INSERT INTO bus_commands (agent, command, status) VALUES ('codex', 'x', :s)")
+    with db.engine.begin() as conn:
+        for status in TaskStatus:
+            conn.execute(insert, {"s": status.value})
+    with pytest.raises(sa.exc.IntegrityError), db.engine.begin() as conn:
+        conn.execute(insert, {"s": "bogus"})
+    with pytest.raises(sa.exc.IntegrityError), db.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE bus_commands SET status = 'bogus' WHERE status = 'done'"))
+    with db.engine.connect() as conn:
+        held = conn.execute(sa.text("SELECT status FROM bus_commands ORDER BY id")).scalars()
+        assert list(held) == [s.value for s in TaskStatus]
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_sqlite_builds_no_table_of_a_list_in_a_hot_statement(db: Database) -> None:
+    """SQLite evaluates ``x IN (a, b, c)`` (and an IN over a subquery) by building a
+    temporary b-tree at every row: a task's status check, the counting trigger's
+    condition on every event and a single claim compare in place instead. What is left
+    is the one that buffers a RETURNING clause's rows."""
+
+    def tables(statement: object) -> int:
+        sql = prepared(db.engine.dialect, statement).sql
+        with db.engine.connect() as conn:
+            ops = conn.exec_driver_sql("EXPLAIN " + sql, (None,) * sql.count("?")).all()
+        return sum(1 for op in ops if op[1] == "OpenEphemeral")
+
+    assert tables(SETTLE["complete"]) == 0  # its status check
+    assert tables(INSERT_EVENT) == 0  # the counting trigger's condition
+    assert tables(ENQUEUE_ONE) == 1  # RETURNING id (the status check: none)
+    assert tables(claim_statement("sqlite", single=True)) == 1  # RETURNING the task
+    assert tables(claim_statement("sqlite")) == 3  # a batch's IN (subquery): two more
 
 
 def test_alembic_upgrade_head_from_the_checkout(empty_db_url: str) -> None:

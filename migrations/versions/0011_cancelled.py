@@ -49,12 +49,19 @@ def _statuses(old: str, new: str) -> None:
         op.drop_constraint(CHECK, "bus_commands", type_="check")
         op.create_check_constraint(CHECK, "bus_commands", f"status IN ({new})")
         return
+    remake_sqlite_table(f"status IN ({old})", f"status IN ({new})")
+
+
+def remake_sqlite_table(old: str, new: str) -> None:
+    """SQLite: bus_commands made again from its own ``CREATE TABLE`` text with ``old``
+    written as ``new``, its rows copied, its indexes made again from their own text and
+    its AUTOINCREMENT high-water mark kept."""
     bind = op.get_bind()
     table = bind.execute(
         sa.text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'bus_commands'")
     ).scalar_one()
-    if f"status IN ({old})" not in table:
-        raise RuntimeError(f"bus_commands has no CHECK (status IN ({old})): {table}")
+    if old not in table:
+        raise RuntimeError(f"bus_commands has no {old}: {table}")
     indexes = list(
         bind.execute(
             sa.text(
@@ -64,7 +71,7 @@ def _statuses(old: str, new: str) -> None:
         ).scalars()
     )
     seq = _v2._sqlite_sequence()
-    made = table.replace(f"status IN ({old})", f"status IN ({new})", 1)
+    made = table.replace(old, new, 1)
     made = made.replace("bus_commands", "bus_commands_new", 1)
     op.execute(made)
     op.execute("INSERT INTO bus_commands_new SELECT * FROM bus_commands")

@@ -209,13 +209,14 @@ HAS_DUE = (
 
 
 @functools.cache
-def claim_statement(dialect: str) -> Update:
-    """Claim up to ``p_limit`` due queued tasks of ``p_agent`` in one statement."""
+def claim_statement(dialect: str, *, single: bool = False) -> Update:
+    """Claim up to ``p_limit`` due queued tasks of ``p_agent`` in one statement (``single``:
+    one task, ``p_limit`` not read)."""
     picked = (
         sa.select(t.c.id)
         .where(in_state(_source("claim")), t.c.agent == P_AGENT, t.c.run_after <= P_NOW)
         .order_by(t.c.priority.desc(), t.c.id)
-        .limit(P_LIMIT)
+        .limit(1 if single else P_LIMIT)
     )
     if dialect == "postgresql":
         # A CTE runs once; an IN (subquery … FOR UPDATE) may be re-run per row. The rows
@@ -224,6 +225,10 @@ def claim_statement(dialect: str) -> Update:
         # all of it, when its statistics still say the queue is nearly empty: a burst.)
         cte = picked.with_for_update(skip_locked=True).cte("picked")
         match = [t.c.id == cte.c.id]
+    elif single:
+        # SQLite builds a temporary b-tree of an IN (subquery)'s rows at every run; the one
+        # task's id compares in place.
+        match = [t.c.id == picked.scalar_subquery(), in_state(_source("claim"))]
     else:
         match = [t.c.id.in_(picked.scalar_subquery()), in_state(_source("claim"))]
     return (

@@ -200,7 +200,7 @@ class SteadyState:
         now, worker = claim["p_now"], claim["p_worker"]
         dialect = self.db.engine.dialect
         complete = prepared(dialect, SETTLE["complete"])
-        claiming = prepared(dialect, claim_statement("sqlite"))
+        claiming = prepared(dialect, claim_statement("sqlite", single=claim["p_limit"] == 1))
         insert_event, insert_route = (
             prepared(dialect, INSERT_EVENT),
             prepared(dialect, INSERT_ROUTE),
