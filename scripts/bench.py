@@ -194,7 +194,7 @@ def enqueue_floor(queue: TaskQueue, single: int) -> float:
 
         def one() -> None:
             conn.execute("BEGIN IMMEDIATE")
-            task_id = conn.execute(insert.sql, task).fetchone()[0]
+            task_id = conn.execute(insert.sql, task).lastrowid
             conn.execute(event.sql, [task_id, *rest])  # the task's id comes first
             conn.execute("COMMIT")
 

@@ -245,7 +245,7 @@ def test_sqlite_builds_no_table_of_a_list_in_a_hot_statement(db: Database) -> No
 
     assert tables(SETTLE["complete"]) == 0  # its status check
     assert tables(INSERT_EVENT) == 0  # the counting trigger's condition
-    assert tables(ENQUEUE_ONE) == 1  # RETURNING id (the status check: none)
+    assert tables(ENQUEUE_ONE) == 0  # its status check; its id is the cursor's lastrowid
     assert tables(claim_statement("sqlite", single=True)) == 1  # RETURNING the task
     assert tables(claim_statement("sqlite")) == 3  # a batch's IN (subquery): two more
 

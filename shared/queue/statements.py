@@ -360,17 +360,14 @@ ENQUEUED_COLUMNS = (
 #: The columns an enqueue passes as JSON text (``TaskQueue.stored_row``).
 JSON_TEXT_COLUMNS = ("payload", "models")
 
-#: SQLite: insert one task, returning its id (``p_<column>`` for each of ENQUEUED_COLUMNS;
-#: payload and models as JSON text).
-ENQUEUE_ONE = (
-    sa.insert(t)
-    .values(
-        {
-            c: sa.bindparam(f"p_{c}", type_=sa.Text if c in JSON_TEXT_COLUMNS else t.c[c].type)
-            for c in ENQUEUED_COLUMNS
-        }
-    )
-    .returning(t.c.id)
+#: SQLite: insert one task (``p_<column>`` for each of ENQUEUED_COLUMNS; payload and models
+#: as JSON text). Its id is the cursor's ``lastrowid``: a RETURNING clause would buffer the
+#: row in a temporary table (~9 µs of an enqueue's CPU).
+ENQUEUE_ONE = sa.insert(t).values(
+    {
+        c: sa.bindparam(f"p_{c}", type_=sa.Text if c in JSON_TEXT_COLUMNS else t.c[c].type)
+        for c in ENQUEUED_COLUMNS
+    }
 )
 
 #: The per-task values of a PostgreSQL enqueue, with their types.

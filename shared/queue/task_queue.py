@@ -130,7 +130,7 @@ class TaskQueue(SweepOps, SteeringOps):
 
         def work(conn: Connection) -> list[int]:
             ids = [
-                int(insert.execute(conn, {f"p_{k}": v for k, v in row.items()}).fetchone()[0])
+                int(insert.execute(conn, {f"p_{k}": v for k, v in row.items()}).lastrowid)
                 for row in rows
             ]
             event.execute_many(
