@@ -166,23 +166,22 @@ def at_once(
     conn: Connection, steps: Sequence[tuple[Prepared, Mapping[str, Any]]]
 ) -> list[list[tuple[Any, ...]]]:
     """PostgreSQL: ``steps`` as one transaction in one round trip, on a connection in
-    autocommit (``Pinned.write_one``'s): ``BEGIN``, the statements and ``COMMIT`` go to
-    the server together (psycopg's pipeline mode) and their results come back together.
-    The server still runs each statement once the one before it has ended, in a
-    snapshot of its own: a lock the first takes holds for the next. Returns each step's
-    rows, read. An error rolls the whole transaction back (the statements after it are
-    skipped, the COMMIT with them) and is raised as SQLAlchemy raises it; the caller
-    then drops the connection (its transaction is left aborted)."""
+    autocommit (``Pinned.write_one``'s). The statements go to the server together
+    (psycopg's pipeline mode) with one Sync after the last, and the server runs the
+    statements before a Sync as one transaction, committed at the Sync: no ``BEGIN``
+    and ``COMMIT`` to send (~120k fewer client instructions an admission). Each
+    statement starts once the one before it has ended, in a snapshot of its own: a
+    lock the first takes holds for the next, which sees what the lock's previous
+    holder committed. Returns each step's rows, read. An error rolls the whole
+    transaction back (the statements after it are skipped) and is raised as
+    SQLAlchemy raises it; the caller then drops the connection."""
     params = [statement.params(values) for statement, values in steps]
     cursors = [_raw_cursor(conn, s._binary_arrays, slot=i) for i, (s, _) in enumerate(steps)]
-    commands = _raw_cursor(conn, slot="commands")
     driver: Any = conn.connection.driver_connection
     with _AsSQLAlchemyErrors(conn, steps[-1][0].sql, params[-1]):
         with driver.pipeline():
-            commands.execute("BEGIN")
             for cursor, (statement, _), values in zip(cursors, steps, params, strict=True):
                 cursor.execute(statement.sql, values, prepare=True)
-            commands.execute("COMMIT")
         return [s.read(s.fetch(c)) for c, (s, _) in zip(cursors, steps, strict=True)]
 
 

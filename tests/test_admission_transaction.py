@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import psycopg
+import pytest
 import sqlalchemy as sa
 
 from agentbus.admission import slots
@@ -14,8 +15,8 @@ from agentbus.admission.limits import Limits
 from agentbus.admission.routing import Candidate
 from agentbus.admission.slots import LOCK_CLASS, lock_gates
 from agentbus.db import Database
-from agentbus.prepared import prepared
-from agentbus.schema import call_slots
+from agentbus.prepared import at_once, can_run_at_once, prepared
+from agentbus.schema import bus_counters, call_slots
 from tests.conftest import Backends
 from tests.support import FakeClock
 from tests.test_admission import admission, admit, candidate, config
@@ -132,3 +133,34 @@ def test_counting_open_slots_plans_no_bitmap_scan(
     finally:
         db.dispose()
         backends.drop(name)
+
+
+def test_the_steps_of_one_round_trip_are_one_transaction(db: Database) -> None:
+    """PostgreSQL: ``at_once`` sends its statements with one Sync after the last, and the
+    server runs them as one transaction: the gate lock the first step takes is held
+    while the second runs and is gone after it, and an error in the second undoes what
+    the first wrote."""
+    if db.dialect != "postgresql":  # SQLite: one writer at a time, nothing to pipeline
+        assert not can_run_at_once(db.engine.dialect)
+        return
+    dialect = db.engine.dialect
+    step = slots.lock_step(dialect, ["rpm:sim/acct"])
+    assert step is not None
+    mine = "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory'"
+    mine += " AND pid = pg_backend_pid()"
+    held = prepared(dialect, sa.text(mine).columns(n=sa.Integer))
+    rows = db.pinned.write_one(lambda conn: at_once(conn, [step, (held, {})]))
+    assert rows[-1] == [(1,)]  # the lock of the step before
+    after = db.pinned.write_one(lambda conn: held.tuples(held.execute(conn, {})))
+    assert after == [(0,)]  # released with the transaction
+
+    count = prepared(dialect, sa.insert(bus_counters).values(name="probe", label="", value=1))
+    fails = prepared(dialect, sa.text("SELECT 1 / 0 AS n").columns(n=sa.Integer))
+    with pytest.raises(sa.exc.DataError):
+        db.pinned.write_one(lambda conn: at_once(conn, [(count, {}), (fails, {})]))
+    kept = db.read(
+        lambda conn: conn.execute(
+            sa.select(sa.func.count()).where(bus_counters.c.name == "probe")
+        ).scalar()
+    )
+    assert kept == 0
