@@ -195,7 +195,7 @@ def can_run_at_once(dialect: sa.Dialect) -> bool:
     return bool(psycopg.Pipeline.is_supported())
 
 
-def _raw_cursor(conn: Connection, binary_arrays: bool = False, slot: int | str = 0) -> Any:
+def _raw_cursor(conn: Connection, binary_arrays: bool = False, slot: int = 0) -> Any:
     """psycopg's cursor for ``$n`` placeholders, on the connection ``conn`` holds (with
     ``binary_arrays``, sending Python lists as binary arrays; ``slot``: one of several
     whose results are read together, ``at_once``).
@@ -206,7 +206,7 @@ def _raw_cursor(conn: Connection, binary_arrays: bool = False, slot: int | str =
     and its result's loaders looked up again). Callers read a cursor before they
     run the next statement."""
     driver = conn.connection.driver_connection
-    kept: dict[tuple[bool, int | str], Any]
+    kept: dict[tuple[bool, int], Any]
     kept = conn.connection.info.setdefault("agentbus_raw_cursors", {})
     cursor = kept.get((binary_arrays, slot))
     if cursor is None or cursor.connection is not driver or cursor.closed:
