@@ -31,11 +31,18 @@ depends_on = None
 _v11 = importlib.import_module("agentbus.migrations.versions.0011_cancelled")
 _v12 = importlib.import_module("agentbus.migrations.versions.0012_counters")
 
+
+def _as_equalities(in_list: str) -> str:
+    """``x IN (a, b, c)`` written as ``x = a OR x = b OR x = c``."""
+    column, _, values = in_list.partition(" IN (")
+    return " OR ".join(f"{column} = {v.strip()}" for v in values.removesuffix(")").split(","))
+
+
 AS_LIST = f"status IN ({_v11.AFTER})"
-AS_EQUALITIES = " OR ".join(f"status = {s.strip()}" for s in _v11.AFTER.split(","))
+AS_EQUALITIES = _as_equalities(AS_LIST)
 
 ENDS_AS_LIST = next(when for name, _, when in _v12.TASK_COUNTS if name == "task_ends")
-ENDS_AS_EQUALITIES = " OR ".join(f"NEW.to_status = '{s}'" for s in ("failed", "error", "cancelled"))
+ENDS_AS_EQUALITIES = _as_equalities(ENDS_AS_LIST)
 
 
 def upgrade() -> None:
