@@ -55,6 +55,17 @@ def test_enqueue_many_returns_ids_in_order(queue: TaskQueue) -> None:
     assert queue.enqueue_many([]) == []
 
 
+def test_each_task_of_a_batch_gets_its_own_enqueue_event(
+    queue: TaskQueue, clock: FakeClock
+) -> None:
+    ids = queue.enqueue_many([spec(text=f"t{i}") for i in range(3)])
+    for task_id in ids:
+        events = reads.task_events(queue.db, task_id)
+        assert [(e["from_status"], e["to_status"], e["reason"], e["at"]) for e in events] == [
+            (None, "queued", "enqueue", clock.now)
+        ]
+
+
 def test_a_batch_of_tasks_stores_every_value_as_given(queue: TaskQueue, clock: FakeClock) -> None:
     """Enqueued together (one statement on PostgreSQL, its columns sent as arrays): quotes,
     backslashes, braces, commas, NULL-looking words, non-ASCII, escaped NULs in a

@@ -36,6 +36,7 @@ from agentbus.queue.statements import (
     ENQUEUE_MANY_POSTGRES,
     ENQUEUE_ONE,
     ENQUEUE_ONE_POSTGRES,
+    ENQUEUED_COLUMNS,
     HAS_DUE,
     HEARTBEAT,
     INSERT_EVENT,
@@ -51,6 +52,14 @@ from agentbus.schema import bus_commands as t
 from agentbus.schema import idempotency_keys as keys
 
 QUEUED = TaskStatus.QUEUED
+_QUEUED_TEXT = QUEUED.value
+#: The bind names of ``ENQUEUE_ONE`` by the columns of ``TaskQueue.stored_row``.
+_BIND_NAMES = tuple((f"p_{c}", c) for c in ENQUEUED_COLUMNS)
+
+
+def _binds(row: dict[str, Any]) -> dict[str, Any]:
+    return {name: row[column] for name, column in _BIND_NAMES}
+
 
 __all__ = ["Clock", "Enqueued", "Settlement", "TaskQueue"]
 
@@ -127,15 +136,14 @@ class TaskQueue(SweepOps, SteeringOps):
 
             return self.db.pinned.write_one(one_statement)
         insert, event = self.db.prepared(ENQUEUE_ONE), self.db.prepared(INSERT_EVENT)
+        queued = events.event(0, None, QUEUED, now, reason="enqueue")  # each task's, by id
 
         def work(conn: Connection) -> list[int]:
-            ids = [
-                int(insert.execute(conn, {f"p_{k}": v for k, v in row.items()}).lastrowid)
-                for row in rows
-            ]
-            event.execute_many(
-                conn, (events.event(i, None, QUEUED, now, reason="enqueue") for i in ids)
-            )
+            ids = [int(insert.execute(conn, _binds(row)).lastrowid) for row in rows]
+            if len(ids) == 1:
+                event.execute(conn, {**queued, "task_id": ids[0]})
+            else:
+                event.execute_many(conn, [{**queued, "task_id": i} for i in ids])
             return ids
 
         return self.db.pinned.write(work)
@@ -155,7 +163,7 @@ class TaskQueue(SweepOps, SteeringOps):
             "payload": payload,
             "models": models,
             "role": spec.role,
-            "status": TaskStatus.QUEUED.value,
+            "status": _QUEUED_TEXT,
             "priority": spec.priority,
             "run_after": now + spec.delay_sec,
             "max_attempts": spec.max_attempts or self.max_attempts,
