@@ -175,7 +175,7 @@ def enqueue_floor(queue: TaskQueue, single: int) -> float:
     import sqlite3
 
     from agentbus.queue import events
-    from agentbus.queue.statements import ENQUEUE_ONE, INSERT_EVENT
+    from agentbus.queue.statements import ENQUEUE_ONE, ENQUEUE_ONE_BINDS, INSERT_EVENT
 
     db = queue.db
     path = db.sqlite_path()
@@ -183,7 +183,7 @@ def enqueue_floor(queue: TaskQueue, single: int) -> float:
     now = time.time()
     row = queue.stored_row(spec(0), now)
     insert = db.prepared(ENQUEUE_ONE)
-    task = insert.params({f"p_{k}": v for k, v in row.items()})
+    task = insert.params({name: row[column] for name, column in ENQUEUE_ONE_BINDS})
     event = db.prepared(INSERT_EVENT)
     _task_id, *rest = event.params(events.event(0, None, "queued", now, reason="enqueue"))
     conn = sqlite3.connect(path, isolation_level=None)

@@ -363,10 +363,11 @@ JSON_TEXT_COLUMNS = ("payload", "models")
 #: SQLite: insert one task (``p_<column>`` for each of ENQUEUED_COLUMNS; payload and models
 #: as JSON text). Its id is the cursor's ``lastrowid``: a RETURNING clause would buffer the
 #: row in a temporary table (~9 µs of an enqueue's CPU).
+ENQUEUE_ONE_BINDS = tuple((f"p_{c}", c) for c in ENQUEUED_COLUMNS)  # (bind name, column)
 ENQUEUE_ONE = sa.insert(t).values(
     {
-        c: sa.bindparam(f"p_{c}", type_=sa.Text if c in JSON_TEXT_COLUMNS else t.c[c].type)
-        for c in ENQUEUED_COLUMNS
+        c: sa.bindparam(name, type_=sa.Text if c in JSON_TEXT_COLUMNS else t.c[c].type)
+        for name, c in ENQUEUE_ONE_BINDS
     }
 )
 

@@ -35,8 +35,8 @@ from agentbus.queue.statements import (
     ENQUEUE_ARRAYS,
     ENQUEUE_MANY_POSTGRES,
     ENQUEUE_ONE,
+    ENQUEUE_ONE_BINDS,
     ENQUEUE_ONE_POSTGRES,
-    ENQUEUED_COLUMNS,
     HAS_DUE,
     HEARTBEAT,
     INSERT_EVENT,
@@ -53,12 +53,11 @@ from agentbus.schema import idempotency_keys as keys
 
 QUEUED = TaskStatus.QUEUED
 _QUEUED_TEXT = QUEUED.value
-#: The bind names of ``ENQUEUE_ONE`` by the columns of ``TaskQueue.stored_row``.
-_BIND_NAMES = tuple((f"p_{c}", c) for c in ENQUEUED_COLUMNS)
 
 
 def _binds(row: dict[str, Any]) -> dict[str, Any]:
-    return {name: row[column] for name, column in _BIND_NAMES}
+    """``ENQUEUE_ONE``'s parameters from a task's row (``TaskQueue.stored_row``)."""
+    return {name: row[column] for name, column in ENQUEUE_ONE_BINDS}
 
 
 __all__ = ["Clock", "Enqueued", "Settlement", "TaskQueue"]
