@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import signal
 import threading
+from collections.abc import Callable
 
 import pytest
 
 from agentbus.db import Database
-from agentbus.queue import TaskQueue, wakeups
+from agentbus.queue import TaskQueue, reads, wakeups
 from agentbus.queue.decisions import Complete, Settlement
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
-from tests.support import FakeClock
+from tests.support import FakeClock, Proc, wait_until
 
 
 def test_has_due_sees_only_due_queued_tasks_of_the_agent(db: Database) -> None:
@@ -26,6 +28,39 @@ def test_has_due_sees_only_due_queued_tasks_of_the_agent(db: Database) -> None:
     assert queue.has_due("codex")
     assert len(queue.claim("codex", "w", 30)) == 1
     assert not queue.has_due("codex")  # claimed: no longer queued
+
+
+def test_due_in_is_the_wait_for_the_earliest_queued_task_of_the_agent(db: Database) -> None:
+    clock = FakeClock()
+    queue = TaskQueue(db, clock=clock)
+    assert queue.due_in("codex") is None  # nothing queued
+    queue.enqueue(TaskSpec(agent="ron", command="x", models=("sim/a",)))
+    queue.enqueue(TaskSpec(agent="codex", command="x", models=("sim/a",), delay_sec=30))
+    queue.enqueue(TaskSpec(agent="codex", command="y", models=("sim/a",), delay_sec=10))
+    assert queue.due_in("codex") == pytest.approx(10)  # the earlier of its two, not ron's
+    clock.advance(12)
+    assert queue.due_in("codex") == pytest.approx(-2)  # overdue
+    assert len(queue.claim("codex", "w", 30)) == 1
+    assert queue.due_in("codex") == pytest.approx(18)  # claimed: the other one is next
+
+
+def test_an_idle_worker_claims_a_task_when_it_is_due_not_at_its_next_poll(
+    db: Database, db_url: str, spawn: Callable[..., Proc]
+) -> None:
+    """A worker polling once a minute claims a task queued now and one queued with a
+    delay as each is due. PostgreSQL: the enqueue's notification wakes the worker while
+    the delayed task is not due yet, and it looks again when the task is due (as it must
+    for a task stamped by a producer whose clock runs a little ahead of the worker's)."""
+    queue = TaskQueue(db)
+    worker = spawn("worker", "--agent", "codex", "--db", db_url, "--poll", "60")
+    wait_until(lambda: "codex" in reads.live_agents(db))
+    soon = TaskSpec(agent="codex", command="delayed", models=("sim/noop",), delay_sec=1.0)
+    ids = [queue.enqueue(soon).id]
+    ids.append(queue.enqueue(TaskSpec(agent="codex", command="now", models=("sim/noop",))).id)
+    # Well before the next poll (60 s): what the worker's wake-ups did, not its polling.
+    wait_until(lambda: all(queue.get(i).status == TaskStatus.DONE for i in ids), timeout=30)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait() == 0
 
 
 def test_an_enqueue_wakes_the_listener_of_its_agent(db: Database) -> None:

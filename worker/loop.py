@@ -97,6 +97,7 @@ class Worker:
         )
         self.stopping = threading.Event()
         self._wake = threading.Event()  # a task was queued for us, or stop: look now
+        self._look_when_due = False  # an idle wait ended by a wake-up: see _wait_for_work
         self._listener: wakeups.Listener | None = None
         if db.dialect == "postgresql" and not options.drain:
             conninfo = db.engine.url.set(drivername="postgresql")
@@ -222,14 +223,24 @@ class Worker:
     def _wait_for_work(self) -> None:
         """Idle: return when a task may be due — notified (PostgreSQL), seen by a cheap
         look every LOOK_SEC (SQLite) — when a slot frees, on a stop, or after
-        ``poll_sec`` in any case."""
-        deadline = time.monotonic() + self.options.poll_sec
+        ``poll_sec`` in any case. After a wake-up whose claim found nothing due
+        (PostgreSQL), it ends when the agent's earliest queued task is due: a delayed
+        task, or one stamped by a clock a little ahead of ours, is claimed on time."""
         look = self._listener is None
+        due_in = self.queue.due_in(self.options.agent) if self._look_when_due and not look else None
+        self._look_when_due = False
+        now = time.monotonic()
+        deadline = now + self.options.poll_sec
+        if due_in is not None and due_in < self.options.poll_sec:
+            deadline = now + max(due_in, wakeups.AGAIN_SEC)
         while not self.stopping.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
+                # Should the claim find it a hair early, look again (not for one overdue)
+                self._look_when_due = due_in is not None and due_in > 0
                 return
             if self._wait(min(wakeups.LOOK_SEC, left) if look else left):
+                self._look_when_due = True
                 return
             if look and self.queue.has_due(self.options.agent):
                 return

@@ -206,6 +206,10 @@ HAS_DUE = (
     .where(in_state(TaskStatus.QUEUED), t.c.agent == P_AGENT, t.c.run_after <= P_NOW)
     .limit(1)
 )
+#: When the earliest queued task of ``p_agent`` is due (NULL: none is queued).
+NEXT_DUE = sa.select(sa.func.min(t.c.run_after)).where(
+    in_state(TaskStatus.QUEUED), t.c.agent == P_AGENT
+)
 
 
 @functools.cache

@@ -40,6 +40,7 @@ from agentbus.queue.statements import (
     HAS_DUE,
     HEARTBEAT,
     INSERT_EVENT,
+    NEXT_DUE,
     SETTLE,
     action_of,
     settle_params,
@@ -205,6 +206,13 @@ class TaskQueue(SweepOps, SteeringOps):
         """Whether a task of ``agent`` is queued and due (a read: no write lock taken)."""
         params = {"p_agent": agent, "p_now": self.clock()}
         return self.db.read(lambda conn: conn.execute(HAS_DUE, params).first() is not None)
+
+    def due_in(self, agent: str) -> float | None:
+        """Seconds until the earliest queued task of ``agent`` is due (0 or less: due now;
+        None: none is queued). A read of the agent's queued tasks."""
+        params = {"p_agent": agent}
+        at = self.db.read(lambda conn: conn.execute(NEXT_DUE, params).scalar())
+        return None if at is None else float(at) - self.clock()
 
     def heartbeat(self, task_id: int, token: int, lease_sec: float) -> float:
         """Extend the lease of a claim we hold; returns the new lease end."""

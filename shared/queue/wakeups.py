@@ -7,7 +7,10 @@ such thing: there an idle worker looks every ``LOOK_SEC`` (50 ms) with a read
 (``TaskQueue.has_due``: an index lookup that takes no lock) and claims only
 when something is due. Either way a worker also tries a claim every
 ``poll_sec``: a notification is a hint, and a task whose ``run_after`` has
-just come sends none.
+just come sends none. A notified worker that finds nothing due (a task queued
+with a delay; or one stamped by a producer whose reading of the database's
+clock runs a few milliseconds ahead of the worker's) waits only until the
+agent's earliest queued task is due (``TaskQueue.due_in``).
 
 A task that reaches an end sends ``NOTIFY agentbus_settled`` for the producers
 waiting for tasks (``AgentBus.wait``), but only while one listens: each listening
@@ -37,6 +40,9 @@ log = get_logger("agentbus.wakeups")
 CHANNEL = "agentbus_queued"
 SETTLED = "agentbus_settled"  # a task reached an end (done, failed, error, cancelled)
 LOOK_SEC = 0.05
+#: A worker woken for a task its claim did not find due looks again this soon at the
+#: earliest (the task is due by the producer's clock but not yet by the worker's).
+AGAIN_SEC = 0.005
 #: How long a listener's row holds (seconds, by the database's clock); it is renewed
 #: a third of the way in.
 LISTENER_TTL_SEC = 30.0
