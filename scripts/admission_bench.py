@@ -82,7 +82,8 @@ def bench_fleet_admission(url: str, calls: int = 300) -> list[tuple[str, str]]:
     rows = []
     for providers, global_limit in ((1, 0), (4, 0), (4, 100000)):
         text = fleet_config(providers, global_limit)
-        done, elapsed = together(8, admit_loop, lambda n, text=text: (url, text, n, calls))
+        results, elapsed = together(8, admit_loop, lambda n, text=text: (url, text, n, calls))
+        done = sum(results)
         scope = f"{providers} provider{'s' if providers > 1 else ''}"
         scope += ", a global limit too" if global_limit else ""
         rows.append((f"limited admissions, 8 processes, {scope}", f"{done / elapsed:,.0f} /s"))

@@ -27,13 +27,14 @@ Workload (per backend):
   completes; the wait's return minus the completion's commit (scripts/latency.py).
 - steady state per task: statements, round trips and commits of a worker's
   settle-and-claim, counted where the database sees them (scripts/counting.py).
-- claim+complete: T no-op tasks are enqueued first; then P worker processes
+- claim+complete: T no-op tasks are enqueued first; then P processes
   (spawned, connected and warmed up before the clock starts) claim and
-  complete until the queue is empty. ``batch`` is how many tasks one claim
-  takes. With batch 1 every completion is its own transaction; with a larger
-  batch the completions of one claim are acknowledged in one transaction
-  (each still a guarded UPDATE plus its event row).
-  The rate is T divided by the time from "go" to the last process finishing.
+  complete through ``settle_and_claim`` until the queue is empty, each
+  completion with the routing row of its call: a worker's write set, with no
+  worker around it. ``batch`` is how many tasks one claim takes; a claim's
+  completions ride in the next claim's transaction, as a worker's do.
+  The rate is T divided by the time from "go" to the last process finishing;
+  the CPU is the processes' own (user + system) per task.
 
 - many calls from one process: 200 tasks whose call takes 2 s, drained by one
   worker with --concurrency 1, 16 and 64, and by 16 single-slot workers: wall
@@ -129,27 +130,38 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def drain(url: str, synchronous: str, agent: str, batch: int, ready: Event, go: Event) -> int:
+def drain(
+    url: str, synchronous: str, agent: str, batch: int, ready: Event, go: Event
+) -> tuple[int, float]:
+    """Claim and complete until the queue is empty, each completion with the routing row
+    of its call (a worker's write set); returns (tasks completed, CPU seconds spent)."""
     db = Database(url, sqlite_synchronous=synchronous)
     queue = TaskQueue(db)
     queue.claim("nobody", "warmup", 1)  # connect and compile before the clock starts
     ready.set()
     go.wait()
-    done = counting.steady_loop(queue, agent, f"w{os.getpid()}", batch, routes=False)
+    cpu = time.process_time()
+    done = counting.steady_loop(queue, agent, f"w{os.getpid()}", batch)
+    cpu = time.process_time() - cpu
     db.dispose()
-    return done
+    return done, cpu
 
 
-def throughput(url: str, synchronous: str, processes: int, batch: int, tasks: int) -> float:
+def throughput(
+    url: str, synchronous: str, processes: int, batch: int, tasks: int
+) -> tuple[float, float]:
+    """Tasks per second and the processes' CPU milliseconds per task (theirs alone: on
+    PostgreSQL the server's is not counted, as in the workers' figures)."""
     db = Database(url, sqlite_synchronous=synchronous)
     agent = f"drain{uuid.uuid4().hex[:6]}"
     queue = TaskQueue(db)
     for start in range(0, tasks, 500):
         queue.enqueue_many([spec(i, agent) for i in range(start, min(tasks, start + 500))])
     db.dispose()
-    done, elapsed = together(processes, drain, lambda n: (url, synchronous, agent, batch))
+    results, elapsed = together(processes, drain, lambda n: (url, synchronous, agent, batch))
+    done, cpu = sum(r[0] for r in results), sum(r[1] for r in results)
     assert done == tasks, (done, tasks)
-    return tasks / elapsed
+    return tasks / elapsed, cpu / tasks * 1000
 
 
 def bench_enqueue(queue: TaskQueue, single: int, batched: int) -> list[tuple[str, str]]:
@@ -365,8 +377,13 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
             rows.append((measure_, figure.format(*figures)))
     for batch in (int(b) for b in args.batches.split(",")):
         for procs in (int(p) for p in args.processes.split(",")):
-            rate = throughput(url, args.sqlite_synchronous, procs, batch, args.tasks)
-            rows.append((f"claim+complete, {procs} proc, batch {batch}", f"{rate:,.0f} tasks/s"))
+            rate, cpu = throughput(url, args.sqlite_synchronous, procs, batch, args.tasks)
+            rows.append(
+                (
+                    f"claim+complete, {procs} proc, batch {batch}",
+                    f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task",
+                )
+            )
     return rows
 
 

@@ -51,10 +51,10 @@ def steady_state(url: str, tasks: int, batch: int) -> dict[str, float]:
     return _postgres(url, agent, tasks, batch)
 
 
-def steady_loop(queue: TaskQueue, agent: str, worker: str, batch: int, *, routes: bool) -> int:
-    """As a worker does: acknowledge the last claim's no-op tasks with the next claim,
-    until the queue is empty (``routes``: each with the routing row of its one call).
-    Returns how many were completed."""
+def steady_loop(queue: TaskQueue, agent: str, worker: str, batch: int) -> int:
+    """As a worker does: acknowledge the last claim's no-op tasks, each with the routing
+    row of its one call, with the next claim, until the queue is empty. Returns how
+    many were completed."""
     acks: list[Settlement] = []
     done = 0
     while True:
@@ -65,10 +65,7 @@ def steady_loop(queue: TaskQueue, agent: str, worker: str, batch: int, *, routes
         now = time.time()
         acks = [
             Settlement(
-                t.id,
-                t.claim_token,
-                Complete("ok", "sim/noop") if routes else Complete(None),
-                [_call(t, agent, worker, now)] if routes else [],
+                t.id, t.claim_token, Complete("ok", "sim/noop"), [_call(t, agent, worker, now)]
             )
             for t in claimed
         ]
@@ -107,7 +104,7 @@ def _sqlite(url: str, agent: str, tasks: int, batch: int) -> dict[str, float]:
     bare = sqlite3.connect(path)  # the log starts empty
     bare.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     bare.close()
-    done = steady_loop(TaskQueue(db), agent, "counter", batch, routes=True)
+    done = steady_loop(TaskQueue(db), agent, "counter", batch)
     page = db.read(lambda conn: conn.exec_driver_sql("PRAGMA page_size").scalar())
     frames = (os.path.getsize(f"{path}-wal") - 32) / (24 + int(page))  # after its header
     db.dispose()
@@ -144,7 +141,7 @@ def _postgres(url: str, agent: str, tasks: int, batch: int) -> dict[str, float]:
                 psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE
             )
 
-        done = steady_loop(TaskQueue(db), agent, "counter", batch, routes=True)
+        done = steady_loop(TaskQueue(db), agent, "counter", batch)
         db.dispose()  # the backends exit: their statistics are flushed
         sent: Counter[str] = Counter()
         for fh in traces:

@@ -6,14 +6,17 @@ import multiprocessing as mp
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def together(
-    processes: int, work: Callable[..., int], args: Callable[[int], tuple[object, ...]]
-) -> tuple[int, float]:
+    processes: int, work: Callable[..., T], args: Callable[[int], tuple[object, ...]]
+) -> tuple[list[T], float]:
     """Start ``processes`` spawned processes running ``work(*args(n), ready, go)``; once
     every one is ready (connected, warmed up) start the clock and let them go. Returns
-    the sum of their results and the seconds until the last one finished."""
+    their results and the seconds until the last one finished."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager, ProcessPoolExecutor(processes, mp_context=ctx) as pool:
         readies = [manager.Event() for _ in range(processes)]
@@ -23,5 +26,5 @@ def together(
             ready.wait()
         began = time.perf_counter()
         go.set()
-        done = sum(f.result() for f in futures)
-        return done, time.perf_counter() - began
+        results = [f.result() for f in futures]
+        return results, time.perf_counter() - began
