@@ -224,20 +224,20 @@ class Worker:
         """Idle: return when a task may be due — notified (PostgreSQL), seen by a cheap
         look every LOOK_SEC (SQLite) — when a slot frees, on a stop, or after
         ``poll_sec`` in any case. After a wake-up whose claim found nothing due
-        (PostgreSQL), it ends when the agent's earliest queued task is due: a delayed
-        task, or one stamped by a clock a little ahead of ours, is claimed on time."""
+        (PostgreSQL), it ends when the agent's earliest queued task is due, if sooner: a
+        task delayed a little, or stamped by a clock a little ahead, is claimed on time."""
         look = self._listener is None
         due_in = self.queue.due_in(self.options.agent) if self._look_when_due and not look else None
         self._look_when_due = False
-        now = time.monotonic()
-        deadline = now + self.options.poll_sec
-        if due_in is not None and due_in < self.options.poll_sec:
-            deadline = now + max(due_in, wakeups.AGAIN_SEC)
+        wait = self.options.poll_sec
+        if due_in is not None and due_in < wait:  # end at that task's time
+            wait = max(due_in, wakeups.AGAIN_SEC)
+        deadline = time.monotonic() + wait
         while not self.stopping.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
-                # Should the claim find it a hair early, look again (not for one overdue)
-                self._look_when_due = due_in is not None and due_in > 0
+                # At a task's time: should the claim find it a hair early, look again.
+                self._look_when_due = due_in is not None and 0 < due_in < self.options.poll_sec
                 return
             if self._wait(min(wakeups.LOOK_SEC, left) if look else left):
                 self._look_when_due = True

@@ -10,7 +10,8 @@ when something is due. Either way a worker also tries a claim every
 just come sends none. A notified worker that finds nothing due (a task queued
 with a delay; or one stamped by a producer whose reading of the database's
 clock runs a few milliseconds ahead of the worker's) waits only until the
-agent's earliest queued task is due (``TaskQueue.due_in``).
+agent's earliest queued task is due (``TaskQueue.due_in``), if that comes
+before its next poll.
 
 A task that reaches an end sends ``NOTIFY agentbus_settled`` for the producers
 waiting for tasks (``AgentBus.wait``), but only while one listens: each listening
