@@ -181,8 +181,8 @@ def bench_enqueue(queue: TaskQueue, single: int, batched: int) -> list[tuple[str
 
 def enqueue_floor(queue: TaskQueue, single: int) -> float:
     """SQLite: the write set of one enqueue, its task row and its event in one ``BEGIN
-    IMMEDIATE`` transaction, on a bare ``sqlite3`` connection with the same journal and
-    synchronous settings, no Python between (its parameters made ahead): the rate
+    IMMEDIATE`` transaction, on a bare ``sqlite3`` connection with the same journal,
+    synchronous and foreign-key settings, no Python between (its parameters made ahead): the rate
     that write set allows, whatever the code around it."""
     import sqlite3
 
@@ -203,6 +203,7 @@ def enqueue_floor(queue: TaskQueue, single: int) -> float:
         level = db.read(lambda c: c.exec_driver_sql("PRAGMA synchronous").scalar())
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={int(level)}")
+        conn.execute("PRAGMA foreign_keys=ON")  # as on agentbus's connections
 
         def one() -> None:
             conn.execute("BEGIN IMMEDIATE")
