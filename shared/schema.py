@@ -105,6 +105,7 @@ sa.Index(
     "ix_bus_commands_claim",
     bus_commands.c.agent,
     bus_commands.c.priority.desc(),
+    bus_commands.c.run_after,
     bus_commands.c.id,
     sqlite_where=sa.text("status = 'queued'"),
 )

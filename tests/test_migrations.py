@@ -199,7 +199,7 @@ def test_claim_and_due_queries_are_index_range_scans(db: Database) -> None:
     claim = _plan(
         db,
         "SELECT id FROM bus_commands WHERE status = 'queued' AND agent = :agent"
-        " AND run_after <= :now ORDER BY priority DESC, id LIMIT 10",
+        " AND run_after <= :now ORDER BY priority DESC, run_after, id LIMIT 10",
         {"agent": "codex", "now": 1e10},
     )
     due = _plan(

@@ -147,6 +147,37 @@ def test_claim_orders_by_priority_then_age(queue: TaskQueue, clock: FakeClock) -
     assert queue.claim("codex", "w", 30) == []
 
 
+def test_claim_takes_a_priority_s_tasks_in_the_order_they_came_due(
+    queue: TaskQueue, clock: FakeClock
+) -> None:
+    """Within a priority, the task that came due first goes first, however long ago it
+    was queued; the tasks queued for later are never in the way of the due ones."""
+    slow = queue.enqueue(spec(text="due in 50 s", delay_sec=50)).id
+    far = [queue.enqueue(spec(text="tomorrow", delay_sec=86400)).id for _ in range(3)]
+    clock.advance(10)
+    soon = queue.enqueue(spec(text="due in 20 s", delay_sec=20)).id
+    now = queue.enqueue(spec(text="due now")).id
+    assert [t.id for t in queue.claim("codex", "w", 30, limit=5)] == [now]
+    clock.advance(45)  # both delayed ones due: the one due first goes first
+    assert [t.id for t in queue.claim("codex", "w", 30, limit=5)] == [soon, slow]
+    assert queue.due_in("codex") == pytest.approx(86400 - 55)
+    assert far  # still queued for tomorrow
+
+
+def test_a_resumed_task_keeps_its_place_in_the_queue(queue: TaskQueue, clock: FakeClock) -> None:
+    first = queue.enqueue(spec(text="first")).id
+    clock.advance(1)
+    second = queue.enqueue(spec(text="second")).id
+    (task,) = queue.claim("codex", "w", 30)
+    assert task.id == first
+    queue.pause(first, task.claim_token, clock() + 5, "cooldown")
+    clock.advance(10)
+    third = queue.enqueue(spec(text="third")).id
+    assert queue.resume([first]) == [first]
+    order = [t.id for t in queue.claim("codex", "w", 30, limit=3)]
+    assert order == [first, second, third]
+
+
 def test_claim_is_per_agent_and_honours_run_after(queue: TaskQueue, clock: FakeClock) -> None:
     later = queue.enqueue(spec(delay_sec=60)).id
     queue.enqueue(spec(agent="analyst"))

@@ -169,8 +169,7 @@ MOVE_MANY: dict[str, Update] = {
         updated_at=P_NOW,
         resume_after=_NULL,
         resume_count=t.c.resume_count + 1,
-        run_after=P_NOW,
-    )
+    )  # run_after unchanged: a resumed task keeps its place in the queue
     .returning(t.c.id),
     "demote": sa.update(t)
     .where(t.c.id.in_(_IDS), in_state(_source("demote")))
@@ -215,11 +214,13 @@ NEXT_DUE = sa.select(sa.func.min(t.c.run_after)).where(
 @functools.cache
 def claim_statement(dialect: str, *, single: bool = False) -> Update:
     """Claim up to ``p_limit`` due queued tasks of ``p_agent`` in one statement (``single``:
-    one task, ``p_limit`` not read)."""
+    one task, ``p_limit`` not read): by priority, then by when each came due, then by age.
+    Read in the order of the queued tasks' index, the first entry of a priority that is not
+    due ends that priority's due ones: tasks queued for later are never read past."""
     picked = (
         sa.select(t.c.id)
         .where(in_state(_source("claim")), t.c.agent == P_AGENT, t.c.run_after <= P_NOW)
-        .order_by(t.c.priority.desc(), t.c.id)
+        .order_by(t.c.priority.desc(), t.c.run_after, t.c.id)
         .limit(1 if single else P_LIMIT)
     )
     if dialect == "postgresql":

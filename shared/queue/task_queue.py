@@ -200,7 +200,7 @@ class TaskQueue(SweepOps, SteeringOps):
         )
         lost += self._rejections([a for a in acks if a.task_id not in acked])
         tasks = [Task.from_row(row) for row in rows]
-        return lost, sorted(tasks, key=lambda task: (-task.priority, task.id))
+        return lost, sorted(tasks, key=lambda task: (-task.priority, task.run_after, task.id))
 
     def has_due(self, agent: str) -> bool:
         """Whether a task of ``agent`` is queued and due (a read: no write lock taken)."""
