@@ -34,7 +34,8 @@ Workload (per backend):
   worker around it. ``batch`` is how many tasks one claim takes; a claim's
   completions ride in the next claim's transaction, as a worker's do.
   The rate is T divided by the time from "go" to the last process finishing;
-  the CPU is the processes' own (user + system) per task.
+  the CPU is the processes' own (user + system) per task. Once more with 2T
+  tasks of the agent queued a day ahead (the due ones must not wait on them).
 
 - many calls from one process: 200 tasks whose call takes 2 s, drained by one
   worker with --concurrency 1, 16 and 64, and by 16 single-slot workers: wall
@@ -148,13 +149,17 @@ def drain(
 
 
 def throughput(
-    url: str, synchronous: str, processes: int, batch: int, tasks: int
+    url: str, synchronous: str, processes: int, batch: int, tasks: int, ahead: int = 0
 ) -> tuple[float, float]:
     """Tasks per second and the processes' CPU milliseconds per task (theirs alone: on
-    PostgreSQL the server's is not counted, as in the workers' figures)."""
+    PostgreSQL the server's is not counted, as in the workers' figures); with ``ahead``
+    tasks of the agent queued a day ahead first (they stay queued)."""
     db = Database(url, sqlite_synchronous=synchronous)
     agent = f"drain{uuid.uuid4().hex[:6]}"
     queue = TaskQueue(db)
+    later = [TaskSpec(agent=agent, command="later", models=("sim/noop",), delay_sec=86400)]
+    for start in range(0, ahead, 500):
+        queue.enqueue_many(later * min(500, ahead - start))
     for start in range(0, tasks, 500):
         queue.enqueue_many([spec(i, agent) for i in range(start, min(tasks, start + 500))])
     db.dispose()
@@ -385,6 +390,14 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
                     f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task",
                 )
             )
+    ahead = 2 * args.tasks
+    rate, cpu = throughput(url, args.sqlite_synchronous, 1, 1, args.tasks, ahead)
+    rows.append(
+        (
+            f"claim+complete, 1 proc, batch 1, {ahead:,} tasks queued a day ahead",
+            f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task",
+        )
+    )
     return rows
 
 
