@@ -7,9 +7,10 @@ import threading
 from collections.abc import Callable
 
 import pytest
+import sqlalchemy as sa
 
 from agentbus.db import Database
-from agentbus.queue import TaskQueue, reads, wakeups
+from agentbus.queue import TaskQueue, wakeups
 from agentbus.queue.decisions import Complete, Settlement
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
@@ -47,18 +48,25 @@ def test_due_in_is_the_wait_for_the_earliest_queued_task_of_the_agent(db: Databa
 def test_an_idle_worker_claims_a_task_when_it_is_due_not_at_its_next_poll(
     db: Database, db_url: str, spawn: Callable[..., Proc]
 ) -> None:
-    """A worker polling once a minute claims a task queued now and one queued with a
-    delay as each is due. PostgreSQL: the enqueue's notification wakes the worker while
-    the delayed task is not due yet, and it looks again when the task is due (as it must
-    for a task stamped by a producer whose clock runs a little ahead of the worker's)."""
+    """A worker polling once a minute, idle (its first task done) and, on PostgreSQL,
+    listening, claims a task queued with a delay when it is due: the enqueue's
+    notification wakes it while the task is not due yet, and it looks again when the
+    task is (as it must for a task stamped by a clock a little ahead of the worker's)."""
     queue = TaskQueue(db)
     worker = spawn("worker", "--agent", "codex", "--db", db_url, "--poll", "60")
-    wait_until(lambda: "codex" in reads.live_agents(db))
+    first = queue.enqueue(TaskSpec(agent="codex", command="now", models=("sim/noop",))).id
+    wait_until(lambda: queue.get(first).status == TaskStatus.DONE)  # acknowledged: idle now
+    if db.dialect == "postgresql":  # its listener is in place, whatever its start took
+        listening = sa.text(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND query = :listen"
+        )
+        listen = {"listen": f"LISTEN {wakeups.CHANNEL}"}
+        wait_until(lambda: db.read(lambda conn: conn.execute(listening, listen).scalar()))
     soon = TaskSpec(agent="codex", command="delayed", models=("sim/noop",), delay_sec=1.0)
-    ids = [queue.enqueue(soon).id]
-    ids.append(queue.enqueue(TaskSpec(agent="codex", command="now", models=("sim/noop",))).id)
+    later = queue.enqueue(soon).id
     # Well before the next poll (60 s): what the worker's wake-ups did, not its polling.
-    wait_until(lambda: all(queue.get(i).status == TaskStatus.DONE for i in ids), timeout=30)
+    wait_until(lambda: queue.get(later).status == TaskStatus.DONE, timeout=30)
     worker.signal(signal.SIGTERM)
     assert worker.wait() == 0
 
