@@ -7,6 +7,10 @@ B, C again …; the medians are printed):
   is processed (start-up included on all sides).
 - CPU per task: user + system CPU of the consumer processes (and their
   children), from the kernel's accounting of reaped children, over T.
+- machine CPU per task: what the whole machine spent busy meanwhile (every
+  core's user, system and interrupt time from /proc/stat), over T: the
+  consumers, the database server's work for them, and anything else running,
+  so a queue that moves work into the server is charged for it.
 - RSS: the peak resident memory of one consumer process, sampled every 50 ms.
 - single enqueue: N enqueues, one call (one transaction) each.
 - batch enqueue: T tasks enqueued 500 per call, where the queue has such a call.
@@ -34,7 +38,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -89,7 +93,7 @@ def agentbus(backend: str, batch: int) -> Callable[[int, int, int], Figures]:
             db.dispose()
             argv = [str(BIN / "worker"), "--agent", agent, "--db", url, "--drain"]
             figures = consume([*argv, "--batch", str(batch)], procs, tasks)
-        return Figures(figures.drain, figures.cpu_ms, figures.rss_mib, one, many)
+        return replace(figures, single=one, batch=many)
 
     return cycle
 
@@ -139,7 +143,7 @@ def huey_sqlite(tasks: int, procs: int, single: int) -> Figures:
     finally:
         sys.path.remove(str(workdir))
         shutil.rmtree(workdir, ignore_errors=True)
-    return Figures(figures.drain, figures.cpu_ms, figures.rss_mib, one, None)
+    return replace(figures, single=one)
 
 
 # -- procrastinate, pgqueuer, oban (PostgreSQL) ------------------------------------
@@ -180,7 +184,7 @@ def procrastinate_pg(tasks: int, procs: int, single: int) -> Figures:
             sys.path.remove(str(workdir))
             shutil.rmtree(workdir, ignore_errors=True)
         expect_zero(conninfo, "SELECT count(*) FROM procrastinate_jobs WHERE status <> 'succeeded'")
-    return Figures(figures.drain, figures.cpu_ms, figures.rss_mib, one, many)
+    return replace(figures, single=one, batch=many)
 
 
 def pgqueuer_pg(tasks: int, procs: int, single: int) -> Figures:
@@ -235,7 +239,7 @@ def pgqueuer_pg(tasks: int, procs: int, single: int) -> Figures:
             sys.path.remove(str(workdir))
             shutil.rmtree(workdir, ignore_errors=True)
         expect_zero(conninfo, "SELECT count(*) FROM pgqueuer")
-    return Figures(figures.drain, figures.cpu_ms, figures.rss_mib, one, many)
+    return replace(figures, single=one, batch=many)
 
 
 OBAN_LEFT = "SELECT count(*) FROM oban_jobs WHERE state <> 'completed'"
@@ -350,7 +354,7 @@ def oban_pg(tasks: int, procs: int, single: int) -> Figures:
             drained=lambda: count_rows(conninfo, OBAN_LEFT) == 0,
         )
         shutil.rmtree(workdir, ignore_errors=True)
-    return Figures(figures.drain, figures.cpu_ms, figures.rss_mib, one, many)
+    return replace(figures, single=one, batch=many)
 
 
 # -- side by side --------------------------------------------------------------
@@ -401,7 +405,7 @@ def side_by_side(
         ]
         for peer in peers([backend]):
             if peer.missing is not None:
-                rows.append((backend, peer.label, f"not run: {peer.missing}", *[""] * 5))
+                rows.append((backend, peer.label, f"not run: {peer.missing}", *[""] * 6))
                 continue
             f = median(runs[peer.label + peer.backend])
             ratio = (
@@ -415,6 +419,7 @@ def side_by_side(
                     peer.label,
                     f"{f.drain:,.0f}",
                     f"{f.cpu_ms:.2f}",
+                    f"{f.machine_ms:.2f}" if f.machine_ms is not None else "n/a",
                     f"{f.rss_mib:.1f}",
                     f"{f.single:,.0f}" if f.single is not None else "n/a",
                     f"{f.batch:,.0f}" if f.batch is not None else "n/a",
@@ -429,6 +434,7 @@ HEADERS = [
     "queue (2 consumer processes, no-op tasks)",
     "drain tasks/s",
     "CPU ms/task",
+    "machine CPU ms/task",
     "RSS MiB",
     "enqueue 1/call /s",
     "enqueue 500/call /s",
@@ -447,4 +453,5 @@ def median(figures: list[Figures]) -> Figures:
         statistics.median(f.rss_mib for f in figures),
         mid([f.single for f in figures]),
         mid([f.batch for f in figures]),
+        mid([f.machine_ms for f in figures]),
     )

@@ -31,6 +31,9 @@ class Figures:
     rss_mib: float  # peak RSS of one consumer process
     single: float | None = None  # enqueues/s, one per call
     batch: float | None = None  # enqueues/s, 500 per call
+    # The whole machine's busy CPU per task while draining (/proc/stat): the consumers,
+    # the database server and anything else running.
+    machine_ms: float | None = None
 
 
 def installed(*modules: str) -> bool:
@@ -148,6 +151,7 @@ def consume(
     """Start ``procs`` consumers; time them until they exit (or until ``drained()``,
     then stop them), with their CPU and one process's peak RSS."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy_before = machine_busy()
     began = time.perf_counter()
     children = [
         subprocess.Popen(
@@ -169,6 +173,7 @@ def consume(
                 raise RuntimeError(f"a consumer failed: {argv}")
             time.sleep(0.05)
         seconds = time.perf_counter() - began
+        busy = machine_busy() - busy_before
     finally:
         for child in children:
             if child.poll() is None:
@@ -176,7 +181,18 @@ def consume(
             child.wait(timeout=60)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return Figures(tasks / seconds, cpu / tasks * 1000, peak_kib / 1024)
+    return Figures(
+        tasks / seconds, cpu / tasks * 1000, peak_kib / 1024, machine_ms=busy / tasks * 1000
+    )
+
+
+def machine_busy() -> float:
+    """Seconds of CPU the whole machine has spent busy since boot, all cores: user,
+    nice, system, irq and softirq time (not idle, I/O wait or time stolen by a
+    hypervisor), from /proc/stat."""
+    with open("/proc/stat") as fh:
+        user, nice, system, _idle, _iowait, irq, softirq = map(int, fh.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def rate(n: int, work: Callable[[], object]) -> float:
