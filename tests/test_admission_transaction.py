@@ -135,6 +135,46 @@ def test_counting_open_slots_plans_no_bitmap_scan(
         backends.drop(name)
 
 
+def test_slots_are_taken_and_given_back_in_transactions_that_commit_asynchronously(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    """PostgreSQL: the statement that locks the gates and the statements that give a slot
+    back turn ``synchronous_commit`` off for their own transaction (its commit does not
+    wait for the WAL flush); the next transaction on the connection, a task's transition
+    say, commits as the server is configured. SQLite commits as configured throughout."""
+    show = sa.text("SHOW synchronous_commit")
+    if db.dialect != "postgresql":
+        assert slots.lock_step(db.engine.dialect, ["rpm:sim/acct"]) is None
+        return
+    adm = admission(db, clock, config(tmp_path, concurrency=5))
+    permit = admit(adm, candidate(adm))
+    assert isinstance(permit, Permit) and permit.slot_id is not None
+    # What the admission's one round trip ran, run again step by step on a connection.
+    with db.engine.connect() as conn:
+        assert conn.execute(show).scalar() == "on"
+        lock_gates(conn, ["rpm:sim/acct"])
+        assert conn.execute(show).scalar() == "off"
+        conn.rollback()
+        assert conn.execute(show).scalar() == "on"
+        conn.rollback()
+        params = {"p_id": permit.slot_id, "p_now": clock.now, "p_provider": "sim"}
+        for statement in (slots.RELEASE_POSTGRES, slots.RELEASE_AND_COUNT_SUCCESS_POSTGRES):
+            compiled = prepared(conn.dialect, statement)
+            compiled.execute(conn, params | {"p_endpoint": "http://127.0.0.1:9/v1"})
+            assert conn.execute(show).scalar() == "off", statement
+            conn.rollback()  # the slot stays taken for the next statement
+    # The admission's own connections, after its transactions: as configured.
+    permit.__exit__(None, None, None)
+    assert db.pinned.write_one(lambda conn: conn.execute(show).scalar()) == "on"
+    assert db.pinned.write(lambda conn: conn.execute(show).scalar()) == "on"
+    released = db.read(
+        lambda conn: conn.execute(
+            sa.select(call_slots.c.released_at).where(call_slots.c.id == permit.slot_id)
+        ).scalar()
+    )
+    assert released == clock.now
+
+
 def test_the_steps_of_one_round_trip_are_one_transaction(db: Database) -> None:
     """PostgreSQL: ``at_once`` sends its statements with one Sync after the last, and the
     server runs them as one transaction: the gate lock the first step takes is held

@@ -422,7 +422,9 @@ class Admission:
         def work(conn: Connection) -> None:
             if permit.slot_id is not None:
                 # No row matched: the lease ran out and the sweeper purged it: nothing to give.
-                prepared(conn.dialect, slots.RELEASE).execute(conn, params)
+                postgres = self.db.dialect == "postgresql"
+                release = slots.RELEASE_POSTGRES if postgres else slots.RELEASE
+                prepared(conn.dialect, release).execute(conn, params)
             if success:
                 self.circuits.count_success(conn, provider, now)
             elif failed is not None:

@@ -31,6 +31,15 @@ from agentbus.schema import call_slots, circuit_calls
 #: class "admi", the gate's name hashed), so admissions through different
 #: providers, accounts, bulkheads and agents never wait for each other.
 LOCK_CLASS = 0x61646D69
+
+#: PostgreSQL: the transaction that runs this commits without waiting for its WAL to
+#: reach the disk (``synchronous_commit`` off for that transaction alone). Run by the
+#: transactions that take or give back a slot: once committed their rows are seen by
+#: every process at once, as any commit's; only a crash of the server itself can lose
+#: the last few hundred milliseconds of them, and a slot is a lease, so nothing is lost
+#: that its lease would not give back. The gates' locks are held until the commit, so
+#: they are held the shorter too. A task's own transitions stay durable.
+ASYNC_COMMIT = sa.select(sa.func.set_config("synchronous_commit", "off", sa.true()))
 # One round trip for all of them, taken in the array's order (a function scan's).
 _KEYS = (
     sa.func.unnest(sa.bindparam("p_keys", type_=sa.ARRAY(sa.Text)))
@@ -48,6 +57,7 @@ _LOCK = sa.select(
     # behind dead as it passes them. A bitmap scan never does, and reads every released
     # slot again until VACUUM (~1 µs each: 1.3 ms an admission after 14,000 calls).
     sa.select(sa.func.set_config("enable_bitmapscan", "off", sa.true())).scalar_subquery(),
+    ASYNC_COMMIT.scalar_subquery(),
 )
 
 
@@ -143,11 +153,15 @@ RELEASE = (
     .values(released_at=sa.bindparam("p_now", type_=sa.Float))
 )
 
+#: PostgreSQL: ``RELEASE``, committed as ``ASYNC_COMMIT`` says.
+RELEASE_POSTGRES = RELEASE.returning(ASYNC_COMMIT.scalar_subquery())
+
 #: PostgreSQL: a slot given back and a successful call counted in its circuit
-#: (``circuit.COUNT_SUCCESS``, ``circuit.END_RUN``), in one statement.
+#: (``circuit.COUNT_SUCCESS``, ``circuit.END_RUN``), in one statement, committed as
+#: ``ASYNC_COMMIT`` says (the count always inserts its row, so its RETURNING runs).
 RELEASE_AND_COUNT_SUCCESS_POSTGRES = END_RUN.add_cte(
     RELEASE.returning(call_slots.c.id).cte("released"),
-    COUNT_SUCCESS.returning(circuit_calls.c.id).cte("counted"),
+    COUNT_SUCCESS.returning(circuit_calls.c.id, ASYNC_COMMIT.scalar_subquery()).cte("counted"),
 )
 
 
