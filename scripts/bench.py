@@ -433,7 +433,10 @@ def main() -> None:
     measure.compile_agentbus()
     configure(level="WARNING")  # the figures, not the jobs' chatter
     if args.compare_only:
-        print_table(compare.HEADERS, compare_rows(args))
+        with measure.Stolen() as stolen:
+            compared = compare_rows(args)
+        print_table(compare.HEADERS, compared)
+        print(stolen.line())
         return
     print_table(
         [f"command (start to exit, {args.startup_runs} runs)", "median", "max"],
@@ -443,15 +446,20 @@ def main() -> None:
     if args.startup_only:
         return
     rows: list[tuple[str, str, str]] = []
-    for backend in args.backends.split(","):
-        with database(backend, args.sqlite_synchronous) as url:
-            rows += [(backend, *row) for row in bench_backend(url, args)]
-            print(f"# {backend} done", file=sys.stderr)
+    with measure.Stolen() as stolen:
+        for backend in args.backends.split(","):
+            with database(backend, args.sqlite_synchronous) as url:
+                rows += [(backend, *row) for row in bench_backend(url, args)]
+                print(f"# {backend} done", file=sys.stderr)
 
     print_table(["backend", "measure", "figure"], rows)
+    print(stolen.line())
     if args.compare_tasks:
         print()
-        print_table(compare.HEADERS, compare_rows(args))
+        with measure.Stolen() as stolen:
+            compared = compare_rows(args)
+        print_table(compare.HEADERS, compared)
+        print(stolen.line())
 
 
 def compare_rows(args: argparse.Namespace) -> list[tuple[str, ...]]:

@@ -190,9 +190,36 @@ def machine_busy() -> float:
     """Seconds of CPU the whole machine has spent busy since boot, all cores: user,
     nice, system, irq and softirq time (not idle, I/O wait or time stolen by a
     hypervisor), from /proc/stat."""
+    user, nice, system, _idle, _iowait, irq, softirq, _steal = _cpu_times()
+    return user + nice + system + irq + softirq
+
+
+class Stolen:
+    """The share of the machine's cores a hypervisor gave to others while a ``with``
+    block ran (/proc/stat's steal time over wall time and cores): a bench's figures
+    from a stretch with much of it are slower than the machine is."""
+
+    share = 0.0
+
+    def __enter__(self) -> Stolen:
+        self._began, self._steal = time.perf_counter(), _cpu_times()[-1]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.perf_counter() - self._began
+        cores = os.cpu_count() or 1
+        self.share = (_cpu_times()[-1] - self._steal) / (wall * cores) if wall > 0 else 0.0
+
+    def line(self) -> str:
+        return f"# CPU stolen by the hypervisor meanwhile: {self.share:.0%} of the machine's cores"
+
+
+def _cpu_times() -> list[float]:
+    """/proc/stat's first eight times of all cores, in seconds: user, nice, system,
+    idle, iowait, irq, softirq, steal."""
     with open("/proc/stat") as fh:
-        user, nice, system, _idle, _iowait, irq, softirq = map(int, fh.readline().split()[1:8])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+        ticks = [int(v) for v in fh.readline().split()[1:9]]
+    return [t / os.sysconf("SC_CLK_TCK") for t in ticks]
 
 
 def rate(n: int, work: Callable[[], object]) -> float:
