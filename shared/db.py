@@ -122,6 +122,8 @@ class Database:
         #: The fleet's clock (PostgreSQL: the database's; SQLite: this host's).
         self.clock: Callable[[], float] = clock_for(self)
         self.retry_for = retry_for
+        self._synchronous = sqlite_synchronous.upper()
+        self._relaxed = sqlite_engine.relaxed(sqlite_synchronous)
         if self.dialect == "sqlite":
             self.engine = sqlite_engine.engine(
                 self.url, sqlite_busy_timeout_ms, sqlite_synchronous, pool_size
@@ -164,23 +166,34 @@ class Database:
     def __repr__(self) -> str:
         return f"Database({redact(self.url)})"
 
-    def write(self, work: Callable[[Connection], T]) -> T:
-        """Run ``work`` in one write transaction, retrying transient errors."""
-        return self._retrying(lambda: self._write_once(work))
+    def write(self, work: Callable[[Connection], T], *, durable: bool = True) -> T:
+        """Run ``work`` in one write transaction, retrying transient errors.
 
-    def _write_once(self, work: Callable[[Connection], T]) -> T:
+        ``durable=False``: a transaction whose loss in a crash of the machine is
+        harmless (admission's slots, which are leases). On SQLite its commit does not
+        wait for the disk (``synchronous`` NORMAL for it alone: in WAL mode it still
+        survives the crash of any process). On PostgreSQL the statements of such a
+        transaction say so themselves (``admission.slots.ASYNC_COMMIT``)."""
+        return self._retrying(lambda: self._write_once(work, durable))
+
+    def _write_once(self, work: Callable[[Connection], T], durable: bool) -> T:
         # The pool's work (checking a connection out and back in) outside the writers'
         # turn: the turn lasts from BEGIN IMMEDIATE to COMMIT only.
         with self.engine.connect() as conn:
-            return self._transaction(conn, work)
+            return self._transaction(conn, work, durable)
 
-    def _transaction(self, conn: Connection, work: Callable[[Connection], T]) -> T:
+    def _transaction(
+        self, conn: Connection, work: Callable[[Connection], T], durable: bool = True
+    ) -> T:
         """``work`` in one write transaction on ``conn``, in the writers' turn. SQLite's
         begins and ends on the driver (``sqlite_engine.in_driver_transaction``: a short
         transaction costs less without SQLAlchemy's transaction object and events)."""
         with self._writers:
             if self.dialect == "sqlite":
-                return sqlite_engine.in_driver_transaction(conn, work)
+                if durable or self._relaxed is None:
+                    return sqlite_engine.in_driver_transaction(conn, work)
+                with sqlite_engine.synchronous(conn, self._relaxed, self._synchronous):
+                    return sqlite_engine.in_driver_transaction(conn, work)
             with conn.begin():
                 return work(conn)
 
@@ -292,21 +305,23 @@ class Pinned:
         # Dropped without ``close`` (a Database never disposed): the connections go back.
         weakref.finalize(self, _close_all, self._held)
 
-    def write(self, work: Callable[[Connection], T]) -> T:
-        return self._run(work, autocommit=False)
+    def write(self, work: Callable[[Connection], T], *, durable: bool = True) -> T:
+        return self._run(work, autocommit=False, durable=durable)
 
     def write_one(self, work: Callable[[Connection], T]) -> T:
         return self._run(work, autocommit=self.db.dialect == "postgresql")
 
-    def _run(self, work: Callable[[Connection], T], *, autocommit: bool) -> T:
+    def _run(self, work: Callable[[Connection], T], *, autocommit: bool, durable: bool = True) -> T:
         if not self._lock.acquire(blocking=False):
-            return self.db.write_one(work) if autocommit else self.db.write(work)
+            if autocommit:
+                return self.db.write_one(work)
+            return self.db.write(work, durable=durable)
         try:
-            return self.db._retrying(lambda: self._once(work, autocommit))
+            return self.db._retrying(lambda: self._once(work, autocommit, durable))
         finally:
             self._lock.release()
 
-    def _once(self, work: Callable[[Connection], T], autocommit: bool) -> T:
+    def _once(self, work: Callable[[Connection], T], autocommit: bool, durable: bool) -> T:
         conn = self._held.get(autocommit)
         if conn is None:
             engine = self.db._read_engine if autocommit else self.db.engine
@@ -317,7 +332,7 @@ class Pinned:
                 if conn.in_transaction():  # begun by an execute of SQLAlchemy's own
                     conn.commit()
                 return result
-            return self.db._transaction(conn, work)
+            return self.db._transaction(conn, work, durable)
         except BaseException:
             self.close()
             raise

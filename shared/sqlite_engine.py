@@ -13,7 +13,7 @@ import fcntl
 import os
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -62,6 +62,34 @@ def statement(driver: sqlite3.Connection, sql: str) -> None:
         driver.execute(sql)
     except sqlite3.Error as exc:
         raise sa.exc.DBAPIError.instance(sql, None, exc, sqlite3.Error) from exc
+
+
+#: The ``synchronous`` levels above NORMAL: a commit at them waits for the disk.
+_WAITING = frozenset({"FULL", "EXTRA", "2", "3"})
+
+
+def relaxed(synchronous: str) -> str | None:
+    """The level for a commit that need not wait for the disk, when ``synchronous`` makes
+    commits wait: NORMAL, at which a commit in WAL mode survives the crash of any
+    process but not of the machine (None: ``synchronous`` does not wait already)."""
+    return "NORMAL" if synchronous.upper() in _WAITING else None
+
+
+@contextlib.contextmanager
+def synchronous(conn: Connection, level: str, configured: str) -> Iterator[None]:
+    """``PRAGMA synchronous`` at ``level`` on ``conn``'s connection for the transactions
+    inside, ``configured`` again after them; a connection whose level could not be set
+    back is invalidated (closed, never pooled again)."""
+    driver: Any = conn.connection.dbapi_connection
+    statement(driver, f"PRAGMA synchronous={level}")
+    try:
+        yield
+    finally:
+        try:
+            statement(driver, f"PRAGMA synchronous={configured}")
+        except BaseException:
+            conn.invalidate()
+            raise
 
 
 def in_driver_transaction(conn: Connection, work: Callable[[Connection], T]) -> T:

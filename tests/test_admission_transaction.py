@@ -4,6 +4,7 @@ mid-way, and the plans its counts run with."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -136,17 +137,35 @@ def test_counting_open_slots_plans_no_bitmap_scan(
 
 
 def test_slots_are_taken_and_given_back_in_transactions_that_commit_asynchronously(
-    db: Database, clock: FakeClock, tmp_path: Path
+    db: Database, clock: FakeClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """PostgreSQL: the statement that locks the gates and the statements that give a slot
     back turn ``synchronous_commit`` off for their own transaction (its commit does not
     wait for the WAL flush); the next transaction on the connection, a task's transition
-    say, commits as the server is configured. SQLite commits as configured throughout."""
-    show = sa.text("SHOW synchronous_commit")
-    if db.dialect != "postgresql":
-        assert slots.lock_step(db.engine.dialect, ["rpm:sim/acct"]) is None
-        return
+    say, commits as the server is configured. SQLite: the admission's and the release's
+    transactions run at ``synchronous`` NORMAL, the next one at FULL again."""
     adm = admission(db, clock, config(tmp_path, concurrency=5))
+    if db.dialect != "postgresql":
+        pragma = "PRAGMA synchronous"
+        levels: list[int] = []  # inside each transaction of the admission and the release
+        real = Database._transaction
+
+        def seen(self: Database, conn: sa.Connection, work: Any, durable: bool = True) -> Any:
+            def reading(c: sa.Connection) -> Any:
+                levels.append(c.exec_driver_sql(pragma).scalar())
+                return work(c)
+
+            return real(self, conn, reading, durable)
+
+        monkeypatch.setattr(Database, "_transaction", seen)
+        permit = admit(adm, candidate(adm))
+        assert isinstance(permit, Permit) and permit.slot_id is not None
+        permit.__exit__(None, None, None)
+        monkeypatch.undo()
+        assert levels == [1, 1]  # NORMAL, twice
+        assert db.pinned.write(lambda conn: conn.exec_driver_sql(pragma).scalar()) == 2
+        return
+    show = sa.text("SHOW synchronous_commit")
     permit = admit(adm, candidate(adm))
     assert isinstance(permit, Permit) and permit.slot_id is not None
     # What the admission's one round trip ran, run again step by step on a connection.

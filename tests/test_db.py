@@ -176,6 +176,32 @@ def test_sqlite_writers_take_turns_through_a_lock_file(tmp_path: Path) -> None:
     db.dispose()
 
 
+def test_a_write_that_need_not_be_durable_commits_without_waiting_for_the_disk(
+    db: Database,
+) -> None:
+    """SQLite: ``durable=False`` runs that transaction at ``synchronous`` NORMAL and sets the
+    configured level back after it, also when its work fails, on a pooled connection as on
+    the kept one; every other write commits at the configured level. PostgreSQL leaves
+    the setting alone (the statements of such a transaction say so themselves)."""
+
+    def level(conn: sa.Connection) -> Any:
+        if db.dialect == "sqlite":
+            return conn.exec_driver_sql("PRAGMA synchronous").scalar()
+        return conn.exec_driver_sql("SHOW synchronous_commit").scalar()
+
+    def fails(conn: sa.Connection) -> None:
+        raise RuntimeError("the unit of work fails")
+
+    configured, relaxed = (2, 1) if db.dialect == "sqlite" else ("on", "on")  # FULL, NORMAL
+    for write in (db.write, db.pinned.write):
+        assert write(level) == configured
+        assert write(level, durable=False) == relaxed
+        assert write(level) == configured
+        with pytest.raises(RuntimeError):
+            write(fails, durable=False)
+        assert write(level) == configured
+
+
 def test_pinned_writes_are_transactions_and_single_statements_commit_alone(db: Database) -> None:
     """The kept connections: a ``write`` is one transaction (a failure undoes all of it)
     even after an autocommitted ``write_one`` took its connection first, and the reverse."""

@@ -279,7 +279,7 @@ class Admission:
         def work(conn: Connection) -> Permit | Refusal | Admissible:
             return self._check(conn, c, agent, task_id, lease_sec, limits, gates, take)
 
-        return self.db.pinned.write(work) if take else self.db.read(work)
+        return self.db.pinned.write(work, durable=False) if take else self.db.read(work)
 
     def _take_at_once(
         self,
@@ -431,7 +431,7 @@ class Admission:
                 slots.lock_gates(conn, [f"circuit:{c.provider}"])
                 self.circuits.count(conn, provider, failed=failed, probe=permit.probe, now=now)
 
-        self.db.pinned.write(work)
+        self.db.pinned.write(work, durable=False)
 
     def lease_for(self, candidate: Candidate) -> float:
         """How long a permit's slots are held at most: every try of the call, with margin."""
