@@ -54,6 +54,8 @@ Epoch = sa.Float(precision=53).with_variant(sa.REAL(), "sqlite")
 
 STATUS_VALUES = ", ".join(f"'{s.value}'" for s in TaskStatus)
 STATUS_CHECK = f"status IN ({STATUS_VALUES})"  # SQLite's table has it as equalities (0018)
+#: The rows of the idempotency keys' unique index: the tasks that have one.
+KEYED = sa.text("idempotency_key IS NOT NULL")
 
 bus_commands = sa.Table(
     "bus_commands",
@@ -91,7 +93,6 @@ bus_commands = sa.Table(
     # A completed task's answer besides its text: model, finish_reason, tool_calls, usage.
     sa.Column("result_detail", LenientJSON),
     sa.CheckConstraint(STATUS_CHECK, name="ck_bus_commands_status"),
-    sa.UniqueConstraint("idempotency_key", name="uq_bus_commands_idempotency_key"),
     sqlite_autoincrement=True,
 )
 
@@ -116,6 +117,14 @@ sa.Index(
 )
 sa.Index(
     "ix_bus_commands_lease", bus_commands.c.lease_until, sqlite_where=sa.text("status = 'claimed'")
+)
+# An idempotency key names one task; the tasks without one are not in the index, so an
+# enqueue without a key writes no page of it.
+sa.Index(
+    "uq_bus_commands_idempotency_key",
+    bus_commands.c.idempotency_key,
+    unique=True,
+    sqlite_where=KEYED,
 )
 
 task_events = sa.Table(

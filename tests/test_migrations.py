@@ -171,6 +171,47 @@ def test_the_calls_already_made_are_numbered_in_their_windows(empty_db_url: str)
     db.dispose()
 
 
+def test_the_idempotency_key_index_holds_only_the_keyed_tasks(empty_db_url: str) -> None:
+    """Upgrading past 0020 makes the keys' uniqueness a partial index: the rows, their
+    keys and the ids' high-water mark stay; a key still names one task."""
+    db = Database(empty_db_url)
+    migrate(db, "0019")
+    insert = sa.text(
+        "INSERT INTO bus_commands (agent, command, idempotency_key) VALUES (:a, 'x', :k)"
+    )
+    with db.engine.begin() as conn:
+        for agent, key in [("codex", "k1"), ("codex", None), ("review", None), ("gone", None)]:
+            conn.execute(insert, {"a": agent, "k": key})
+        conn.execute(sa.text("DELETE FROM bus_commands WHERE agent = 'gone'"))
+    migrate(db)
+    assert schema_diff(db) == []
+    with db.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT id, agent, idempotency_key FROM bus_commands ORDER BY id")
+        )
+        assert [tuple(r) for r in rows] == [
+            (1, "codex", "k1"),
+            (2, "codex", None),
+            (3, "review", None),
+        ]
+        if db.dialect == "sqlite":
+            made, where = "SELECT sql FROM sqlite_master WHERE name = :n", "WHERE {}"
+        else:
+            made, where = "SELECT indexdef FROM pg_indexes WHERE indexname = :n", "WHERE ({})"
+        index = conn.execute(sa.text(made), {"n": "uq_bus_commands_idempotency_key"}).scalar_one()
+        assert index.endswith(where.format("idempotency_key IS NOT NULL")), index
+    with db.engine.begin() as conn:
+        conn.execute(insert, [{"a": "codex", "k": None}, {"a": "codex", "k": "k2"}])
+        assert conn.execute(sa.text("SELECT max(id) FROM bus_commands")).scalar_one() == 6  # not 4
+    with pytest.raises(sa.exc.IntegrityError), db.engine.begin() as conn:
+        conn.execute(insert, {"a": "review", "k": "k1"})
+    # "k2" is in the task table and not yet among the kept keys: the insert meets the index.
+    queue = TaskQueue(db)
+    again = queue.enqueue(TaskSpec(agent="codex", command="x", models=("sim/a",), key="k2"))
+    assert (again.id, again.created) == (6, False)
+    db.dispose()
+
+
 def test_claim_and_due_queries_are_index_range_scans(db: Database) -> None:
     """The claim and "paused and due" lookups read an index, not the table."""
     with db.engine.begin() as conn:

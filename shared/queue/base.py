@@ -17,8 +17,8 @@ from agentbus.queue.statements import MOVE_MANY
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.queue.steady import SteadyState
 from agentbus.queue.tasks import PayloadLimits
+from agentbus.schema import KEYED, idempotency_keys
 from agentbus.schema import bus_commands as t
-from agentbus.schema import idempotency_keys
 
 Clock = Callable[[], float]
 DEFAULT_LIMITS = PayloadLimits()
@@ -43,7 +43,7 @@ class QueueBase:
         self.payload_limits = payload_limits
         upsert = dialect_insert(db.dialect)
         self._insert_keyed = (
-            upsert(t).on_conflict_do_nothing(index_elements=["idempotency_key"])
+            upsert(t).on_conflict_do_nothing(index_elements=["idempotency_key"], index_where=KEYED)
         ).returning(t.c.id)
         self._insert_key = upsert(idempotency_keys).on_conflict_do_nothing(index_elements=["key"])
 
