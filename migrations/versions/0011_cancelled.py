@@ -52,14 +52,23 @@ def _statuses(old: str, new: str) -> None:
     remake_sqlite_table(f"status IN ({old})", f"status IN ({new})")
 
 
+def sqlite_table() -> str:
+    """SQLite: bus_commands' own ``CREATE TABLE`` text."""
+    return str(
+        op.get_bind()
+        .execute(
+            sa.text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'bus_commands'")
+        )
+        .scalar_one()
+    )
+
+
 def remake_sqlite_table(old: str, new: str) -> None:
     """SQLite: bus_commands made again from its own ``CREATE TABLE`` text with ``old``
     written as ``new``, its rows copied, its indexes made again from their own text and
     its AUTOINCREMENT high-water mark kept."""
     bind = op.get_bind()
-    table = bind.execute(
-        sa.text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'bus_commands'")
-    ).scalar_one()
+    table = sqlite_table()
     if old not in table:
         raise RuntimeError(f"bus_commands has no {old}: {table}")
     indexes = list(

@@ -38,7 +38,7 @@ KEYED = sa.text("idempotency_key IS NOT NULL")
 
 def upgrade() -> None:
     if op.get_bind().dialect.name == "sqlite":
-        table = _sqlite_table()
+        table = _v11.sqlite_table()
         found = re.search(r",\s*" + re.escape(CONSTRAINT), table)
         if found is None:
             raise RuntimeError(f"bus_commands has no {CONSTRAINT}: {table}")
@@ -58,20 +58,9 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_index(NAME, "bus_commands")
     if op.get_bind().dialect.name == "sqlite":
-        table = _sqlite_table()
+        table = _v11.sqlite_table()
         if not table.endswith("\n)") or table.count("\n)") != 1:
             raise RuntimeError(f"bus_commands does not end as expected: {table}")
         _v11.remake_sqlite_table("\n)", f", \n\t{CONSTRAINT}\n)")
     else:
         op.create_unique_constraint(NAME, "bus_commands", ["idempotency_key"])
-
-
-def _sqlite_table() -> str:
-    """bus_commands' own ``CREATE TABLE`` text."""
-    return str(
-        op.get_bind()
-        .execute(
-            sa.text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'bus_commands'")
-        )
-        .scalar_one()
-    )
