@@ -30,9 +30,9 @@ def configure(*, json: bool = False, level: str = "INFO") -> None:
     from agentbus.masking import log_processor
 
     # No secret in any log line: every value is masked as it comes, a traceback once
-    # it is text (the level and the time, added after, are ours).
+    # it is text (the level and the time, added after, are ours). A line's context is
+    # what its logger was bound to (no context variables: nothing binds any).
     processors: list[structlog.typing.Processor] = [
-        structlog.contextvars.merge_contextvars,
         structlog.processors.format_exc_info,
         log_processor,
         structlog.processors.add_log_level,
@@ -48,7 +48,9 @@ def configure(*, json: bool = False, level: str = "INFO") -> None:
     structlog.configure(
         processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # A line and its newline in one write: print() makes two system calls of them
+        # where stderr writes through (PYTHONUNBUFFERED, as many container images set).
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
 
