@@ -110,10 +110,10 @@ def idle_rss_kib(argv: list[str], env: dict[str, str], started: Callable[[], boo
         child.wait(timeout=60)
 
 
-def import_floor_kib(modules: list[str]) -> int:
-    """VmRSS of an interpreter that imports ``modules`` and nothing else: what a process
-    that needs them holds before any code of its own."""
-    code = f"import {', '.join(modules)}; print(open('/proc/self/status').read())"
+def import_floor_kib(modules: list[str], first: str = "") -> int:
+    """VmRSS of an interpreter that runs ``first`` and imports ``modules``, nothing else:
+    what a process that needs them holds before any code of its own."""
+    code = f"{first}\nimport {', '.join(modules)}; print(open('/proc/self/status').read())"
     out = subprocess.run(
         [sys.executable, "-c", code], check=True, capture_output=True, text=True
     ).stdout

@@ -14,17 +14,15 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:
     import structlog
 
-#: Pretty-printers structlog loads at import when they are installed, for tracebacks
-#: our lines never show (rich alone: ~50 ms of a process's start-up and ~5 MB).
-_UNUSED = ("rich", "better_exceptions")
-
 
 def configure(*, json: bool = False, level: str = "INFO") -> None:
     """Set up logging for one of agentbus's own processes (a command, a worker, the
     sweeper): the process is ours, so structlog is imported lean."""
     import logging
 
-    _import_lean()
+    from agentbus.lean import import_structlog
+
+    import_structlog()  # the process is ours: without pretty-printers it never uses
     import structlog
 
     from agentbus.masking import log_processor
@@ -111,23 +109,6 @@ def _value(value: Any) -> str:
     if isinstance(value, str):
         return repr(value) if _QUOTED.intersection(value) else value
     return repr(value)
-
-
-def _import_lean() -> None:
-    """Import structlog with its optional pretty-printers hidden (they fail to import,
-    and structlog does without them). Once, before anything else imported it; a
-    printer the process imported itself stays as it is."""
-    if "structlog" in sys.modules:
-        return
-    hidden = [name for name in _UNUSED if name not in sys.modules]
-    for name in hidden:
-        sys.modules[name] = None  # type: ignore[assignment]  # "import rich" raises
-    try:
-        import structlog  # noqa: F401
-    finally:
-        for name in hidden:
-            if sys.modules.get(name, ()) is None:
-                del sys.modules[name]
 
 
 class _LazyLogger:

@@ -1,0 +1,58 @@
+"""Importing our libraries without optional modules that our processes never use.
+
+Many libraries import an optional module inside ``try: import x`` / ``except
+ImportError`` and work without it. In one of agentbus's own processes (a worker,
+the sweeper, a command), the modules are hidden while the library loads, so the
+process does not pay for them. A program that imports agentbus as a library is
+never affected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+#: What importing SQLAlchemy loads that a worker and the sweeper never use. Both load
+#: OpenSSL's libcrypto (~3.5 MB resident): asyncio's TLS support (``ssl``; these
+#: processes run threads, not asyncio) and hashlib's OpenSSL constructors (``_hashlib``;
+#: hashlib then uses Python's own md5, sha1, sha2, sha3 and blake2, which are all that
+#: SQLAlchemy's labels and our credential fingerprints hash with).
+UNUSED_BY_SQLALCHEMY = ("ssl", "_hashlib")
+
+#: Pretty-printers structlog loads at import when they are installed, for tracebacks
+#: our lines never show (rich alone: ~50 ms of a process's start-up and ~5 MB).
+UNUSED_BY_STRUCTLOG = ("rich", "better_exceptions")
+
+
+def import_sqlalchemy() -> None:
+    """Import SQLAlchemy without ``UNUSED_BY_SQLALCHEMY``, once, before anything else
+    imports it. Later imports of those modules work as usual (httpx loads ``ssl`` for an
+    HTTP provider; psycopg's binary package loads it on PostgreSQL)."""
+    if "sqlalchemy" not in sys.modules:
+        with hidden(*UNUSED_BY_SQLALCHEMY):
+            import sqlalchemy  # noqa: F401
+
+
+def import_structlog() -> None:
+    """Import structlog without ``UNUSED_BY_STRUCTLOG``, once, before anything else
+    imports it; a printer the process imported itself stays as it is."""
+    if "structlog" not in sys.modules:
+        with hidden(*UNUSED_BY_STRUCTLOG):
+            import structlog  # noqa: F401
+
+
+@contextlib.contextmanager
+def hidden(*names: str) -> Iterator[None]:
+    """Inside: importing any of ``names`` raises ImportError, unless it is imported
+    already. After: they import as usual. A module that was imported inside and got
+    the ImportError goes on without them."""
+    hide = [name for name in names if name not in sys.modules]
+    for name in hide:
+        sys.modules[name] = None  # type: ignore[assignment]  # "import name" raises
+    try:
+        yield
+    finally:
+        for name in hide:
+            if sys.modules.get(name, ()) is None:
+                del sys.modules[name]

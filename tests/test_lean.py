@@ -1,0 +1,79 @@
+"""Our processes import their libraries without optional modules they never use."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentbus.db import Database
+from agentbus.lean import hidden
+from agentbus.queue import TaskQueue
+from agentbus.queue.tasks import TaskSpec
+from tests.support import clean_env
+
+
+def test_a_hidden_module_fails_to_import_inside_and_imports_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "leanprobe.py").write_text("LOADED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "leanprobe", raising=False)
+    with hidden("leanprobe", "json"):
+        with pytest.raises(ImportError):
+            import leanprobe
+        import json  # imported already: not hidden
+
+        assert json.loads("1") == 1
+    import leanprobe
+
+    assert leanprobe.LOADED
+    monkeypatch.delitem(sys.modules, "leanprobe")
+
+
+WORKER = """
+import os, sys
+from agentbus.worker.cli import worker
+code = worker.main(["--agent", "lean", "--db", sys.argv[1], "--drain"], standalone_mode=False)
+loaded = [name for name in ("ssl", "_hashlib") if name in sys.modules]
+maps = open("/proc/self/maps").read() if os.path.exists("/proc/self/maps") else ""
+import hashlib, sqlalchemy.util  # as the worker's code has them
+print(code, ",".join(loaded) or "-", "libcrypto" in maps)
+print(hashlib.sha256(b"key").hexdigest()[:16], sqlalchemy.util.md5_hex("label"))
+import ssl  # as httpx does, for an HTTP provider
+print(ssl.create_default_context().verify_mode == ssl.CERT_REQUIRED)
+"""
+
+
+def test_a_worker_runs_without_openssl_where_its_database_needs_none(
+    db_url: str, backend: str, tmp_path: Path
+) -> None:
+    """SQLAlchemy imports asyncio's TLS support and hashlib's OpenSSL constructors, which a
+    worker never uses; on SQLite nothing else needs OpenSSL, so the worker never loads it
+    (psycopg's binary package loads it on PostgreSQL). Hashes come out the same, and a
+    later import of ssl works."""
+    db = Database(db_url)
+    queue = TaskQueue(db)
+    task_id = queue.enqueue(TaskSpec(agent="lean", command="hi", models=("sim/a",))).id
+    done = subprocess.run(
+        [sys.executable, "-c", WORKER, db_url],
+        cwd=tmp_path,  # no agentbus.toml here
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    status, hashes, tls = done.stdout.splitlines()
+    code, loaded, libcrypto = status.split()
+    assert code == "0"
+    if backend == "sqlite":
+        assert (loaded, libcrypto) == ("-", "False")
+    expected = [hashlib.sha256(b"key").hexdigest()[:16], hashlib.md5(b"label").hexdigest()]
+    assert hashes.split() == expected
+    assert tls == "True"
+    assert queue.get(task_id).status.value == "done"
+    db.dispose()
