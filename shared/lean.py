@@ -11,26 +11,34 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
-
-#: What importing SQLAlchemy loads that a worker and the sweeper never use. Both load
-#: OpenSSL's libcrypto (~3.5 MB resident): asyncio's TLS support (``ssl``; these
-#: processes run threads, not asyncio) and hashlib's OpenSSL constructors (``_hashlib``;
-#: hashlib then uses Python's own md5, sha1, sha2, sha3 and blake2, which are all that
-#: SQLAlchemy's labels and our credential fingerprints hash with).
-UNUSED_BY_SQLALCHEMY = ("ssl", "_hashlib")
+from collections.abc import Callable, Iterator
+from importlib.util import find_spec
 
 #: Pretty-printers structlog loads at import when they are installed, for tracebacks
 #: our lines never show (rich alone: ~50 ms of a process's start-up and ~5 MB).
 UNUSED_BY_STRUCTLOG = ("rich", "better_exceptions")
 
 
+def unused_by_sqlalchemy(exists: Callable[[str], bool] | None = None) -> tuple[str, ...]:
+    """What importing SQLAlchemy loads that a worker and the sweeper never use. Both load
+    OpenSSL's libcrypto (~3.5 MB resident): asyncio's TLS support (``ssl``; these
+    processes run threads, not asyncio) and hashlib's OpenSSL constructors
+    (``_hashlib``). Without the latter, hashlib uses Python's own md5 and sha256 (all
+    that SQLAlchemy's labels and our credential fingerprints hash with), so
+    ``_hashlib`` is left alone where this Python was built without them (some
+    distributions leave every hash but blake2 to OpenSSL). ``exists`` says whether a
+    module can be imported."""
+    exists = exists or (lambda name: find_spec(name) is not None)
+    own = exists("_md5") and (exists("_sha2") or exists("_sha256"))  # _sha2 from 3.12
+    return ("ssl", "_hashlib") if own else ("ssl",)
+
+
 def import_sqlalchemy() -> None:
-    """Import SQLAlchemy without ``UNUSED_BY_SQLALCHEMY``, once, before anything else
+    """Import SQLAlchemy without ``unused_by_sqlalchemy()``, once, before anything else
     imports it. Later imports of those modules work as usual (httpx loads ``ssl`` for an
     HTTP provider; psycopg's binary package loads it on PostgreSQL)."""
     if "sqlalchemy" not in sys.modules:
-        with hidden(*UNUSED_BY_SQLALCHEMY):
+        with hidden(*unused_by_sqlalchemy()):
             import sqlalchemy  # noqa: F401
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agentbus.db import Database
-from agentbus.lean import hidden
+from agentbus.lean import hidden, unused_by_sqlalchemy
 from agentbus.queue import TaskQueue
 from agentbus.queue.tasks import TaskSpec
 from tests.support import clean_env
@@ -77,3 +77,12 @@ def test_a_worker_runs_without_openssl_where_its_database_needs_none(
     assert tls == "True"
     assert queue.get(task_id).status.value == "done"
     db.dispose()
+
+
+def test_hashlib_keeps_openssl_where_python_has_no_hashes_of_its_own() -> None:
+    """A Python built to leave md5 and sha256 to OpenSSL keeps hashlib's OpenSSL
+    constructors: only ``ssl`` is hidden then."""
+    assert unused_by_sqlalchemy(lambda name: True) == ("ssl", "_hashlib")
+    assert unused_by_sqlalchemy(lambda name: name != "_sha256") == ("ssl", "_hashlib")  # _sha2
+    assert unused_by_sqlalchemy(lambda name: name not in ("_sha2", "_sha256")) == ("ssl",)
+    assert unused_by_sqlalchemy(lambda name: name != "_md5") == ("ssl",)
