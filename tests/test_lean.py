@@ -70,7 +70,7 @@ def test_a_worker_runs_without_openssl_where_its_database_needs_none(
     status, hashes, tls = done.stdout.splitlines()
     code, loaded, libcrypto = status.split()
     assert code == "0"
-    if backend == "sqlite":
+    if backend == "sqlite" and "_hashlib" in unused_by_sqlalchemy():  # Python's own hashes
         assert (loaded, libcrypto) == ("-", "False")
     expected = [hashlib.sha256(b"key").hexdigest()[:16], hashlib.md5(b"label").hexdigest()]
     assert hashes.split() == expected
