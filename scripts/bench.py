@@ -4,7 +4,8 @@
 Workload (per backend):
 - enqueue, single: N calls of ``TaskQueue.enqueue`` (one transaction each); on
   SQLite also the same statements on a bare ``sqlite3`` connection, no Python
-  between: the rate the write set of an enqueue allows.
+  between: the rate the write set of an enqueue allows; and the writers' turn
+  each enqueue held, timed in place (scripts/turns.py).
 - enqueue, batch: ``TaskQueue.enqueue_many`` in batches of 500.
 - cooldown check: ``CooldownStore.cooling`` of a 3-model chain with 50 active
   cooldowns, through the 1 s cache and with no cache (one read each time).
@@ -34,7 +35,10 @@ Workload (per backend):
   worker around it. ``batch`` is how many tasks one claim takes; a claim's
   completions ride in the next claim's transaction, as a worker's do.
   The rate is T divided by the time from "go" to the last process finishing;
-  the CPU is the processes' own (user + system) per task. Once more with 2T
+  the CPU is the processes' own (user + system) per task. On SQLite, the
+  writers' turns the processes held, timed in place: one writer commits at a
+  time, so B / (the mean turn) bounds the rate of any worker with this write
+  set (scripts/turns.py). Once more with 2T
   tasks of the agent queued a day ahead (the due ones must not wait on them).
 
 - many calls from one process: 200 tasks whose call takes 2 s, drained by one
@@ -79,6 +83,7 @@ import measure
 import psycopg
 import sqlalchemy as sa
 import startup
+import turns
 from admission_bench import bench_admission, bench_fleet_admission
 from processes import together
 
@@ -133,27 +138,30 @@ def timed(fn: Callable[[], object]) -> float:
 
 def drain(
     url: str, synchronous: str, agent: str, batch: int, ready: Event, go: Event
-) -> tuple[int, float]:
+) -> tuple[int, float, tuple[int, float, float]]:
     """Claim and complete until the queue is empty, each completion with the routing row
-    of its call (a worker's write set); returns (tasks completed, CPU seconds spent)."""
+    of its call (a worker's write set); returns (tasks completed, CPU seconds spent,
+    the writers' turns taken on SQLite: ``TurnClock.totals``)."""
     db = Database(url, sqlite_synchronous=synchronous)
     queue = TaskQueue(db)
     queue.claim("nobody", "warmup", 1)  # connect and compile before the clock starts
     ready.set()
     go.wait()
     cpu = time.process_time()
-    done = counting.steady_loop(queue, agent, f"w{os.getpid()}", batch)
+    with turns.TurnClock() as clock:
+        done = counting.steady_loop(queue, agent, f"w{os.getpid()}", batch)
     cpu = time.process_time() - cpu
     db.dispose()
-    return done, cpu
+    return done, cpu, clock.totals()
 
 
 def throughput(
     url: str, synchronous: str, processes: int, batch: int, tasks: int, ahead: int = 0
-) -> tuple[float, float]:
-    """Tasks per second and the processes' CPU milliseconds per task (theirs alone: on
-    PostgreSQL the server's is not counted, as in the workers' figures); with ``ahead``
-    tasks of the agent queued a day ahead first (they stay queued)."""
+) -> tuple[float, float, str]:
+    """Tasks per second, the processes' CPU milliseconds per task (theirs alone: on
+    PostgreSQL the server's is not counted, as in the workers' figures) and, on SQLite,
+    their writers' turns (``turns.figures``); with ``ahead`` tasks of the agent queued
+    a day ahead first (they stay queued)."""
     db = Database(url, sqlite_synchronous=synchronous)
     agent = f"drain{uuid.uuid4().hex[:6]}"
     queue = TaskQueue(db)
@@ -166,12 +174,15 @@ def throughput(
     results, elapsed = together(processes, drain, lambda n: (url, synchronous, agent, batch))
     done, cpu = sum(r[0] for r in results), sum(r[1] for r in results)
     assert done == tasks, (done, tasks)
-    return tasks / elapsed, cpu / tasks * 1000
+    taken = [sum(r[2][i] for r in results) for i in range(3)]
+    return tasks / elapsed, cpu / tasks * 1000, turns.figures(int(taken[0]), *taken[1:], batch)
 
 
 def bench_enqueue(queue: TaskQueue, single: int, batched: int) -> list[tuple[str, str]]:
-    secs = timed(lambda: [queue.enqueue(spec(i)) for i in range(single)])
-    rows = [("enqueue, single", f"{single / secs:,.0f} tasks/s")]
+    with turns.TurnClock() as clock:
+        secs = timed(lambda: [queue.enqueue(spec(i)) for i in range(single)])
+    turned = turns.figures(*clock.totals())
+    rows = [("enqueue, single", "; ".join(filter(None, [f"{single / secs:,.0f} tasks/s", turned])))]
     if queue.db.dialect == "sqlite":
         rate = enqueue_floor(queue, single)
         rows.append(("enqueue, single, its statements alone (sqlite3)", f"{rate:,.0f} tasks/s"))
@@ -385,15 +396,17 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
             rows.append((measure_, figure.format(*figures)))
     for batch in (int(b) for b in args.batches.split(",")):
         for procs in (int(p) for p in args.processes.split(",")):
-            rate, cpu = throughput(url, args.sqlite_synchronous, procs, batch, args.tasks)
+            rate, cpu, turned = throughput(url, args.sqlite_synchronous, procs, batch, args.tasks)
             rows.append(
                 (
                     f"claim+complete, {procs} proc, batch {batch}",
-                    f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task",
+                    "; ".join(
+                        filter(None, [f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task", turned])
+                    ),
                 )
             )
     ahead = 2 * args.tasks
-    rate, cpu = throughput(url, args.sqlite_synchronous, 1, 1, args.tasks, ahead)
+    rate, cpu, _ = throughput(url, args.sqlite_synchronous, 1, 1, args.tasks, ahead)
     rows.append(
         (
             f"claim+complete, 1 proc, batch 1, {ahead:,} tasks queued a day ahead",
