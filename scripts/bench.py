@@ -35,10 +35,10 @@ Workload (per backend):
   worker around it. ``batch`` is how many tasks one claim takes; a claim's
   completions ride in the next claim's transaction, as a worker's do.
   The rate is T divided by the time from "go" to the last process finishing;
-  the CPU is the processes' own (user + system) per task. On SQLite, the
-  writers' turns the processes held, timed in place: one writer commits at a
-  time, so B / (the mean turn) bounds the rate of any worker with this write
-  set (scripts/turns.py). Once more with 2T
+  the CPU is the processes' own (user + system) per task. Bounds on any worker
+  with this write set: the machine's busy CPU per task (server and kernel too)
+  against its cores; on SQLite the writers' turns, timed in place (one writer
+  commits at a time: B / the mean turn; scripts/turns.py). Once more with 2T
   tasks of the agent queued a day ahead (the due ones must not wait on them).
 
 - many calls from one process: 200 tasks whose call takes 2 s, drained by one
@@ -138,30 +138,34 @@ def timed(fn: Callable[[], object]) -> float:
 
 def drain(
     url: str, synchronous: str, agent: str, batch: int, ready: Event, go: Event
-) -> tuple[int, float, tuple[int, float, float]]:
+) -> tuple[int, float, tuple[int, float, float], tuple[float, float]]:
     """Claim and complete until the queue is empty, each completion with the routing row
     of its call (a worker's write set); returns (tasks completed, CPU seconds spent,
-    the writers' turns taken on SQLite: ``TurnClock.totals``)."""
+    the writers' turns taken on SQLite: ``TurnClock.totals``, the machine's busy CPU
+    seconds at the start and at the end: ``measure.machine_busy``)."""
     db = Database(url, sqlite_synchronous=synchronous)
     queue = TaskQueue(db)
     queue.claim("nobody", "warmup", 1)  # connect and compile before the clock starts
     ready.set()
     go.wait()
-    cpu = time.process_time()
+    busy, cpu = measure.machine_busy(), time.process_time()
     with turns.TurnClock() as clock:
         done = counting.steady_loop(queue, agent, f"w{os.getpid()}", batch)
     cpu = time.process_time() - cpu
+    busy = (busy, measure.machine_busy())
     db.dispose()
-    return done, cpu, clock.totals()
+    return done, cpu, clock.totals(), busy
 
 
 def throughput(
     url: str, synchronous: str, processes: int, batch: int, tasks: int, ahead: int = 0
 ) -> tuple[float, float, str]:
     """Tasks per second, the processes' CPU milliseconds per task (theirs alone: on
-    PostgreSQL the server's is not counted, as in the workers' figures) and, on SQLite,
-    their writers' turns (``turns.figures``); with ``ahead`` tasks of the agent queued
-    a day ahead first (they stay queued)."""
+    PostgreSQL the server's is not counted, as in the workers' figures) and what bounds
+    the rate: the whole machine's busy CPU per task (the processes, the database
+    server, the kernel's work for them) against its cores and, on SQLite, their
+    writers' turns (``turns.figures``); with ``ahead`` tasks of the agent queued a day
+    ahead first (they stay queued)."""
     db = Database(url, sqlite_synchronous=synchronous)
     agent = f"drain{uuid.uuid4().hex[:6]}"
     queue = TaskQueue(db)
@@ -175,7 +179,9 @@ def throughput(
     done, cpu = sum(r[0] for r in results), sum(r[1] for r in results)
     assert done == tasks, (done, tasks)
     taken = [sum(r[2][i] for r in results) for i in range(3)]
-    return tasks / elapsed, cpu / tasks * 1000, turns.figures(int(taken[0]), *taken[1:], batch)
+    busy = max(r[3][1] for r in results) - min(r[3][0] for r in results)
+    bounds = [measure.machine_bound(busy, tasks), turns.figures(int(taken[0]), *taken[1:], batch)]
+    return tasks / elapsed, cpu / tasks * 1000, "; ".join(filter(None, bounds))
 
 
 def bench_enqueue(queue: TaskQueue, single: int, batched: int) -> list[tuple[str, str]]:

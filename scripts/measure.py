@@ -194,6 +194,17 @@ def machine_busy() -> float:
     return user + nice + system + irq + softirq
 
 
+def machine_bound(busy: float, tasks: int) -> str:
+    """The machine's busy CPU per task (``busy`` seconds of ``machine_busy`` over
+    ``tasks``) and the most tasks per second its cores allow at that cost."""
+    if busy <= 0:  # shorter than the kernel's accounting tick
+        return ""
+    cores = os.cpu_count() or 1
+    per_task = busy / tasks * 1000
+    at_most = cores * 1000 / per_task
+    return f"machine CPU {per_task:.2f} ms per task: at most {at_most:,.0f}/s on {cores} cores"
+
+
 class Stolen:
     """The share of the machine's cores a hypervisor gave to others while a ``with``
     block ran (/proc/stat's steal time over wall time and cores): a bench's figures
