@@ -13,9 +13,11 @@ Workload (per backend):
   every gate configured (global, provider and bulkhead concurrency, rpm, agent
   rate, daily token and cost budget, circuit: one transaction each way) and
   with none (cached reads only).
-- worker processes: 2 real ``worker --drain`` processes run T/2 simulated no-op
-  tasks one at a time (claim, call, complete, each its own transaction),
-  measured from spawn to exit (start-up included); peak RSS of one worker.
+- worker processes: 1, then 2 real ``worker --drain`` processes run T/2
+  simulated no-op tasks one at a time (claim, call, complete: one transaction
+  a task), then 2 in batches of 10, measured from spawn to exit; their CPU per
+  task with their start-up and without it; peak RSS of one worker
+  (scripts/worker_bench.py).
 - memory: one idle worker's RSS (up, nothing to claim), and the RSS of an
   interpreter that only imports SQLAlchemy and the database's driver.
 - sweeper resume pass: N paused tasks (1 % due) inserted directly; one
@@ -65,7 +67,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,7 +74,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.synchronize import Event
-from pathlib import Path
 
 import compare
 import concurrency_bench
@@ -86,12 +86,13 @@ import startup
 import turns
 from admission_bench import bench_admission, bench_fleet_admission
 from processes import together
+from worker_bench import bench_workers
 
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.config import LiveConfig, Settings
 from agentbus.db import Database, migrate
 from agentbus.logging import configure
-from agentbus.queue import TaskQueue, reads
+from agentbus.queue import TaskQueue
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import bus_commands
 from agentbus.sweeper import jobs
@@ -253,77 +254,6 @@ def bench_cooldowns(db: Database) -> list[tuple[str, str]]:
     return rows
 
 
-def worker_drain(
-    url: str, synchronous: str, processes: int, tasks: int, batch: int
-) -> tuple[float, int]:
-    """``processes`` real ``worker --drain --batch B`` processes over ``tasks`` no-op tasks:
-    (tasks/s from spawn to exit, peak RSS of one worker in KiB)."""
-    agent = f"wbench{uuid.uuid4().hex[:6]}"
-    db = Database(url, sqlite_synchronous=synchronous)
-    queue = TaskQueue(db)
-    for start in range(0, tasks, 500):
-        queue.enqueue_many([spec(i, agent) for i in range(start, min(tasks, start + 500))])
-    db.dispose()
-    exe = str(Path(sys.executable).with_name("worker"))
-    env = {**os.environ, "AGENTBUS_SQLITE_SYNCHRONOUS": synchronous}
-    argv = [exe, "--agent", agent, "--db", url, "--drain", "--batch", str(batch)]
-    began = time.perf_counter()
-    procs = [subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL) for _ in range(processes)]
-    peak_kib = 0
-    while any(p.poll() is None for p in procs):
-        for p in procs:
-            peak_kib = max(peak_kib, measure.rss_kib(p.pid))
-        time.sleep(0.05)
-    elapsed = time.perf_counter() - began
-    if any(p.returncode for p in procs):
-        raise RuntimeError("a worker failed")
-    return tasks / elapsed, peak_kib
-
-
-def bench_workers(url: str, synchronous: str, processes: int, tasks: int) -> list[tuple[str, str]]:
-    """Real worker processes over no-op simulated tasks, one at a time and in batches of 10."""
-    rows = []
-    for batch in (1, 10):
-        rate, peak_kib = worker_drain(url, synchronous, processes, tasks, batch)
-        rows.append(
-            (
-                f"worker processes, {processes} x drain {tasks:,} tasks, batch {batch}",
-                f"{rate:,.0f} tasks/s",
-            )
-        )
-    rows.append(("worker RSS, peak", f"{peak_kib / 1024:,.1f} MiB"))
-    return rows + bench_memory(url, synchronous)
-
-
-def bench_memory(url: str, synchronous: str) -> list[tuple[str, str]]:
-    """An idle worker's RSS (up, its first claim found nothing, waiting), beside the RSS
-    of an interpreter that imports only the libraries a worker cannot do without
-    (SQLAlchemy and the database's driver): the floor under any worker of ours."""
-    agent = f"idle{uuid.uuid4().hex[:6]}"
-    db = Database(url, sqlite_synchronous=synchronous)
-    env = {**os.environ, "AGENTBUS_SQLITE_SYNCHRONOUS": synchronous}
-    argv = [str(Path(sys.executable).with_name("worker")), "--agent", agent, "--db", url]
-    try:
-        idle = measure.idle_rss_kib(argv, env, lambda: agent in reads.live_agents(db))
-    finally:
-        db.dispose()
-    driver = (
-        ["sqlite3", "sqlalchemy.dialects.sqlite"]
-        if db.dialect == "sqlite"
-        else ["psycopg", "sqlalchemy.dialects.postgresql.psycopg"]
-    )
-    # SQLAlchemy imported as our processes import it (agentbus.lean: without ssl).
-    lean = "from agentbus.lean import import_sqlalchemy; import_sqlalchemy()"
-    floor = measure.import_floor_kib(["sqlalchemy", *driver], first=lean)
-    return [
-        ("worker RSS, idle", f"{idle / 1024:,.1f} MiB ({idle * 1024 / 1e6:,.1f} MB)"),
-        (
-            "RSS of the interpreter importing SQLAlchemy and the driver alone",
-            f"{floor / 1024:,.1f} MiB ({floor * 1024 / 1e6:,.1f} MB)",
-        ),
-    ]
-
-
 def bench_sweeper(url: str, synchronous: str, sizes: list[int]) -> list[tuple[str, str]]:
     """One resume pass over N paused tasks of which 1 % are due."""
     rows = []
@@ -385,7 +315,7 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     rows += bench_cooldowns(db)
     rows += bench_admission(db, args.admissions)
     db.dispose()
-    rows += bench_workers(url, args.sqlite_synchronous, 2, args.tasks // 2)
+    rows += bench_workers(url, args.sqlite_synchronous, args.tasks // 2)
     rows += bench_sweeper(url, args.sqlite_synchronous, [int(n) for n in args.paused.split(",")])
     rows += latency.resume(url, args.sqlite_synchronous)
     rows += latency.wakeup(url, args.sqlite_synchronous)

@@ -174,6 +174,8 @@ def consume(
             time.sleep(0.05)
         seconds = time.perf_counter() - began
         busy = machine_busy() - busy_before
+        if drained is None and any(c.returncode for c in children):  # all exited at once
+            raise RuntimeError(f"a consumer failed: {argv}")
     finally:
         for child in children:
             if child.poll() is None:

@@ -1,0 +1,89 @@
+"""Real ``worker`` processes, for scripts/bench.py: drains of no-op tasks (rate, peak
+RSS, the workers' CPU per task) and an idle worker's RSS beside the floor of the
+libraries it imports."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import measure
+
+from agentbus.db import Database
+from agentbus.queue import TaskQueue, reads
+from agentbus.queue.tasks import TaskSpec
+
+
+def worker_drain(
+    url: str, synchronous: str, processes: int, tasks: int, batch: int
+) -> measure.Figures:
+    """``processes`` real ``worker --drain --batch B`` processes over ``tasks`` no-op tasks
+    (none: how much a worker with nothing to do spends), timed from spawn to exit."""
+    agent = f"wbench{uuid.uuid4().hex[:6]}"
+    db = Database(url, sqlite_synchronous=synchronous)
+    queue = TaskQueue(db)
+    for start in range(0, tasks, 500):
+        queue.enqueue_many(
+            [
+                TaskSpec(agent=agent, command=f"task {i}", models=("sim/noop",))
+                for i in range(start, min(tasks, start + 500))
+            ]
+        )
+    db.dispose()
+    exe = str(Path(sys.executable).with_name("worker"))
+    env = {**os.environ, "AGENTBUS_SQLITE_SYNCHRONOUS": synchronous}
+    argv = [exe, "--agent", agent, "--db", url, "--drain", "--batch", str(batch)]
+    return measure.consume(argv, processes, max(tasks, 1), env=env)
+
+
+def bench_workers(url: str, synchronous: str, tasks: int) -> list[tuple[str, str]]:
+    """Real worker processes over no-op simulated tasks: one worker, then two, one task at
+    a time; two in batches of 10. Their CPU per task with their start-up, and without
+    it (what a worker that finds nothing to do spends, taken off once per process)."""
+    started = worker_drain(url, synchronous, 1, 0, 1).cpu_ms  # per process, in ms
+    rows, peak = [], 0.0
+    for processes, batch in ((1, 1), (2, 1), (2, 10)):
+        run = worker_drain(url, synchronous, processes, tasks, batch)
+        peak = max(peak, run.rss_mib)
+        alone = run.cpu_ms - processes * started / tasks
+        rows.append(
+            (
+                f"worker processes, {processes} x drain {tasks:,} tasks, batch {batch}",
+                f"{run.drain:,.0f} tasks/s, {run.cpu_ms:.2f} ms CPU per task "
+                f"({alone:.2f} without the start-up)",
+            )
+        )
+    rows.append(("worker RSS, peak", f"{peak:,.1f} MiB"))
+    rows.append(("worker start-up and exit with nothing to do, CPU", f"{started:,.0f} ms"))
+    return rows + bench_memory(url, synchronous)
+
+
+def bench_memory(url: str, synchronous: str) -> list[tuple[str, str]]:
+    """An idle worker's RSS (up, its first claim found nothing, waiting), beside the RSS
+    of an interpreter that imports only the libraries a worker cannot do without
+    (SQLAlchemy and the database's driver): the floor under any worker of ours."""
+    agent = f"idle{uuid.uuid4().hex[:6]}"
+    db = Database(url, sqlite_synchronous=synchronous)
+    env = {**os.environ, "AGENTBUS_SQLITE_SYNCHRONOUS": synchronous}
+    argv = [str(Path(sys.executable).with_name("worker")), "--agent", agent, "--db", url]
+    try:
+        idle = measure.idle_rss_kib(argv, env, lambda: agent in reads.live_agents(db))
+    finally:
+        db.dispose()
+    driver = (
+        ["sqlite3", "sqlalchemy.dialects.sqlite"]
+        if db.dialect == "sqlite"
+        else ["psycopg", "sqlalchemy.dialects.postgresql.psycopg"]
+    )
+    # SQLAlchemy imported as our processes import it (agentbus.lean: without ssl).
+    lean = "from agentbus.lean import import_sqlalchemy; import_sqlalchemy()"
+    floor = measure.import_floor_kib(["sqlalchemy", *driver], first=lean)
+    return [
+        ("worker RSS, idle", f"{idle / 1024:,.1f} MiB ({idle * 1024 / 1e6:,.1f} MB)"),
+        (
+            "RSS of the interpreter importing SQLAlchemy and the driver alone",
+            f"{floor / 1024:,.1f} MiB ({floor * 1024 / 1e6:,.1f} MB)",
+        ),
+    ]
