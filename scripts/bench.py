@@ -181,15 +181,17 @@ def throughput(
     assert done == tasks, (done, tasks)
     taken = [sum(r[2][i] for r in results) for i in range(3)]
     busy = max(r[3][1] for r in results) - min(r[3][0] for r in results)
-    bounds = [measure.machine_bound(busy, tasks), turns.figures(int(taken[0]), *taken[1:], batch)]
-    return tasks / elapsed, cpu / tasks * 1000, "; ".join(filter(None, bounds))
+    bounds = measure.joined(
+        measure.machine_bound(busy, tasks), turns.figures(int(taken[0]), *taken[1:], batch)
+    )
+    return tasks / elapsed, cpu / tasks * 1000, bounds
 
 
 def bench_enqueue(queue: TaskQueue, single: int, batched: int) -> list[tuple[str, str]]:
     with turns.TurnClock() as clock:
         secs = timed(lambda: [queue.enqueue(spec(i)) for i in range(single)])
     turned = turns.figures(*clock.totals())
-    rows = [("enqueue, single", "; ".join(filter(None, [f"{single / secs:,.0f} tasks/s", turned])))]
+    rows = [("enqueue, single", measure.joined(f"{single / secs:,.0f} tasks/s", turned))]
     if queue.db.dialect == "sqlite":
         rate = enqueue_floor(queue, single)
         rows.append(("enqueue, single, its statements alone (sqlite3)", f"{rate:,.0f} tasks/s"))
@@ -332,13 +334,11 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
             rows.append((measure_, figure.format(*figures)))
     for batch in (int(b) for b in args.batches.split(",")):
         for procs in (int(p) for p in args.processes.split(",")):
-            rate, cpu, turned = throughput(url, args.sqlite_synchronous, procs, batch, args.tasks)
+            rate, cpu, bounds = throughput(url, args.sqlite_synchronous, procs, batch, args.tasks)
             rows.append(
                 (
                     f"claim+complete, {procs} proc, batch {batch}",
-                    "; ".join(
-                        filter(None, [f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task", turned])
-                    ),
+                    measure.joined(f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task", bounds),
                 )
             )
     ahead = 2 * args.tasks

@@ -196,6 +196,11 @@ def machine_busy() -> float:
     return user + nice + system + irq + softirq
 
 
+def joined(*parts: str) -> str:
+    """A table cell of several figures, the empty ones left out."""
+    return "; ".join(part for part in parts if part)
+
+
 def machine_bound(busy: float, tasks: int) -> str:
     """The machine's busy CPU per task (``busy`` seconds of ``machine_busy`` over
     ``tasks``) and the most tasks per second its cores allow at that cost."""

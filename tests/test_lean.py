@@ -12,6 +12,7 @@ import pytest
 from agentbus.db import Database
 from agentbus.lean import hidden, unused_by_sqlalchemy
 from agentbus.queue import TaskQueue
+from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
 from tests.support import clean_env
 
@@ -75,7 +76,7 @@ def test_a_worker_runs_without_openssl_where_its_database_needs_none(
     expected = [hashlib.sha256(b"key").hexdigest()[:16], hashlib.md5(b"label").hexdigest()]
     assert hashes.split() == expected
     assert tls == "True"
-    assert queue.get(task_id).status.value == "done"
+    assert queue.get(task_id).status is TaskStatus.DONE
     db.dispose()
 
 
