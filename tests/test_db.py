@@ -110,6 +110,49 @@ def test_prepared_statements_take_turns_on_one_connection(db: Database) -> None:
             assert texts.rows(texts.execute(conn, {"p_s": f"t{i}"})) == [{"s": f"t{i}"}]
 
 
+def test_a_prepared_statement_writes_none_as_sqlalchemy_does(db: Database) -> None:
+    """A None through a prepared statement's processors is stored as SQLAlchemy's own
+    insert stores it: JSON ``null`` text in a JSON column, SQL NULL where the column says
+    so (``none_as_null``) and in a number's; values still go through the processors."""
+    table = sa.Table(
+        "nones",
+        sa.MetaData(),
+        sa.Column("id", sa.Integer, primary_key=True),
+        sa.Column("doc", sa.JSON),
+        sa.Column("doc_or_null", sa.JSON(none_as_null=True)),
+        sa.Column("at", sa.Float),
+    )
+    table.create(db.engine)
+    insert = Prepared(
+        sa.insert(table).values(
+            id=sa.bindparam("id"),
+            doc=sa.bindparam("doc", type_=sa.JSON),
+            doc_or_null=sa.bindparam("doc_or_null", type_=sa.JSON(none_as_null=True)),
+            at=sa.bindparam("at", type_=sa.Float),
+        ),
+        db.engine.dialect,
+    )
+    rows = [
+        {"id": 1, "doc": None, "doc_or_null": None, "at": None},
+        {"id": 2, "doc": {"a": 1}, "doc_or_null": [1], "at": 1.5},
+    ]
+
+    def work(conn: sa.Connection) -> None:
+        insert.execute_many(conn, rows)
+        conn.execute(sa.insert(table), [{**r, "id": r["id"] + 10} for r in rows])
+
+    db.write(work)
+    as_text = sa.select(
+        table.c.id, sa.cast(table.c.doc, sa.Text), sa.cast(table.c.doc_or_null, sa.Text), table.c.at
+    ).order_by(table.c.id)
+    with db.engine.connect() as conn:
+        stored = [tuple(r) for r in conn.execute(as_text)]
+    ours, theirs = stored[:2], [(i - 10, *rest) for i, *rest in stored[2:]]
+    assert ours == theirs
+    assert ours[0][1:] == ("null", None, None)
+    assert ours[1][3] == 1.5
+
+
 def test_transient_classification() -> None:
     locked = sa.exc.OperationalError("x", {}, sqlite3.OperationalError("database is locked"))
     syntax = sa.exc.OperationalError("x", {}, sqlite3.OperationalError("near 'x': syntax error"))

@@ -25,7 +25,7 @@ from sqlalchemy.engine import Connection
 from agentbus.admission import usage
 from agentbus.admission.gates import day_of
 from agentbus.db import Database
-from agentbus.prepared import prepared
+from agentbus.prepared import Prepared, prepared
 from agentbus.queue import events, wakeups
 from agentbus.queue.decisions import Complete, Settlement
 from agentbus.queue.statements import (
@@ -136,6 +136,21 @@ class SteadyState:
         self.db = db
         self.postgres = db.dialect == "postgresql"
 
+    @functools.cached_property
+    def _sqlite_statements(self) -> tuple[Prepared, ...]:
+        """SQLite's statements of the steady state, compiled at the first claim (a queue
+        that never claims, a command's, compiles none) and kept: complete, claim one,
+        claim many, insert an event, insert a routing row, add usage."""
+        dialect = self.db.engine.dialect
+        return (
+            prepared(dialect, SETTLE["complete"]),
+            prepared(dialect, claim_statement("sqlite", single=True)),
+            prepared(dialect, claim_statement("sqlite")),
+            prepared(dialect, INSERT_EVENT),
+            prepared(dialect, INSERT_ROUTE),
+            prepared(dialect, usage.upsert("sqlite")),
+        )
+
     def run(
         self,
         acks: Sequence[Settlement],
@@ -198,14 +213,10 @@ class SteadyState:
         and the claimed rows are read after it ends: the writers' turn (one writer at a
         time on SQLite) holds only the statements."""
         now, worker = claim["p_now"], claim["p_worker"]
-        dialect = self.db.engine.dialect
-        complete = prepared(dialect, SETTLE["complete"])
-        claiming = prepared(dialect, claim_statement("sqlite", single=claim["p_limit"] == 1))
-        insert_event, insert_route = (
-            prepared(dialect, INSERT_EVENT),
-            prepared(dialect, INSERT_ROUTE),
+        complete, claim_one, claim_many, insert_event, insert_route, add_usage = (
+            self._sqlite_statements
         )
-        add_usage = prepared(dialect, usage.upsert("sqlite"))
+        claiming = claim_one if claim["p_limit"] == 1 else claim_many
         completes = []
         for a in acks:
             params = {"p_id": a.task_id, "p_token": a.token, "p_now": now}
