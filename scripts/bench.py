@@ -4,8 +4,8 @@
 Workload (per backend):
 - enqueue, single: N calls of ``TaskQueue.enqueue`` (one transaction each); on
   SQLite also the same statements on a bare ``sqlite3`` connection, no Python
-  between: the rate the write set of an enqueue allows; and the writers' turn
-  each enqueue held, timed in place (scripts/turns.py).
+  between: the rate the write set of an enqueue allows (scripts/floor.py); and the
+  writers' turn each enqueue held, timed in place (scripts/turns.py).
 - enqueue, batch: ``TaskQueue.enqueue_many`` in batches of 500.
 - cooldown check: ``CooldownStore.cooling`` of a 3-model chain with 50 active
   cooldowns, through the 1 s cache and with no cache (one read each time).
@@ -40,7 +40,10 @@ Workload (per backend):
   the CPU is the processes' own (user + system) per task. Bounds on any worker
   with this write set: the machine's busy CPU per task (server and kernel too)
   against its cores; on SQLite the writers' turns, timed in place (one writer
-  commits at a time: B / the mean turn; scripts/turns.py). Once more with 2T
+  commits at a time: B / the mean turn; scripts/turns.py). On SQLite, at batch 1
+  with 1 and 2 processes, also the same statements on bare ``sqlite3``
+  connections taking the same turns, their parameters made ahead: what those
+  rows cost whatever the code around them (scripts/floor.py). Once more with 2T
   tasks of the agent queued a day ahead (the due ones must not wait on them).
 
 - many calls from one process: 200 tasks whose call takes 2 s, drained by one
@@ -78,6 +81,7 @@ from multiprocessing.synchronize import Event
 import compare
 import concurrency_bench
 import counting
+import floor
 import latency
 import measure
 import psycopg
@@ -193,7 +197,7 @@ def bench_enqueue(queue: TaskQueue, single: int, batched: int) -> list[tuple[str
     turned = turns.figures(*clock.totals())
     rows = [("enqueue, single", measure.joined(f"{single / secs:,.0f} tasks/s", turned))]
     if queue.db.dialect == "sqlite":
-        rate = enqueue_floor(queue, single)
+        rate = floor.enqueue(queue, spec(0), single)
         rows.append(("enqueue, single, its statements alone (sqlite3)", f"{rate:,.0f} tasks/s"))
     secs = timed(
         lambda: [
@@ -202,43 +206,6 @@ def bench_enqueue(queue: TaskQueue, single: int, batched: int) -> list[tuple[str
     )
     rows.append(("enqueue, batch of 500", f"{batched / secs:,.0f} tasks/s"))
     return rows
-
-
-def enqueue_floor(queue: TaskQueue, single: int) -> float:
-    """SQLite: the write set of one enqueue, its task row and its event in one ``BEGIN
-    IMMEDIATE`` transaction, on a bare ``sqlite3`` connection with the same journal,
-    synchronous and foreign-key settings, no Python between (its parameters made ahead): the rate
-    that write set allows, whatever the code around it."""
-    import sqlite3
-
-    from agentbus.queue import events
-    from agentbus.queue.statements import ENQUEUE_ONE, ENQUEUE_ONE_BINDS, INSERT_EVENT
-
-    db = queue.db
-    path = db.sqlite_path()
-    assert path is not None
-    now = time.time()
-    row = queue.stored_row(spec(0), now)
-    insert = db.prepared(ENQUEUE_ONE)
-    task = insert.params({name: row[column] for name, column in ENQUEUE_ONE_BINDS})
-    event = db.prepared(INSERT_EVENT)
-    _task_id, *rest = event.params(events.event(0, None, "queued", now, reason="enqueue"))
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
-        level = db.read(lambda c: c.exec_driver_sql("PRAGMA synchronous").scalar())
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute(f"PRAGMA synchronous={int(level)}")
-        conn.execute("PRAGMA foreign_keys=ON")  # as on agentbus's connections
-
-        def one() -> None:
-            conn.execute("BEGIN IMMEDIATE")
-            task_id = conn.execute(insert.sql, task).lastrowid
-            conn.execute(event.sql, [task_id, *rest])  # the task's id comes first
-            conn.execute("COMMIT")
-
-        return single / timed(lambda: [one() for _ in range(single)])
-    finally:
-        conn.close()
 
 
 def bench_cooldowns(db: Database) -> list[tuple[str, str]]:
@@ -341,6 +308,14 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
                     measure.joined(f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task", bounds),
                 )
             )
+            if batch == 1 and procs <= 2 and url.startswith("sqlite"):
+                rate, cpu = floor.steady(url, procs, args.tasks)
+                rows.append(
+                    (
+                        f"claim+complete, {procs} proc, batch 1, its statements alone (sqlite3)",
+                        f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task",
+                    )
+                )
     ahead = 2 * args.tasks
     rate, cpu, _ = throughput(url, args.sqlite_synchronous, 1, 1, args.tasks, ahead)
     rows.append(

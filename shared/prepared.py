@@ -72,6 +72,11 @@ class Prepared:
         # (column index, processor) of the columns whose values need reading, at the first rows
         self._results: list[tuple[int, Callable[[Any], Any]]] | None = None
 
+    @property
+    def names(self) -> list[str]:
+        """The bind parameters' names, in the order the driver takes them (positional)."""
+        return list(self._names)
+
     def params(self, values: Mapping[str, Any]) -> Any:
         """The driver's parameters from ``values`` (by bind name; literals filled in)."""
         gather = self._gather

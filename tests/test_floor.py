@@ -1,0 +1,72 @@
+"""scripts/floor.py: the bare steady-state write set writes what a worker's steady
+state writes, so that its figures are a floor under the same rows."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from agentbus.db import Database
+from agentbus.queue import TaskQueue
+from agentbus.queue.tasks import TaskSpec
+from agentbus.schema import bus_commands, route_log, task_events, usage_daily
+
+SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
+
+
+def load(name: str) -> Any:
+    if SCRIPTS not in sys.path:  # the bench's modules import one another by name
+        sys.path.insert(0, SCRIPTS)
+    return importlib.import_module(name)
+
+
+def written(db: Database, agent: str) -> dict[str, Any]:
+    """What the steady state left for ``agent``'s tasks, without ids, workers and times."""
+    ids = sa.select(bus_commands.c.id).where(bus_commands.c.agent == agent)
+    with db.engine.connect() as conn:
+        tasks = Counter(
+            (r.status, r.attempts, r.result, r.result_note)
+            for r in conn.execute(sa.select(bus_commands).where(bus_commands.c.agent == agent))
+        )
+        moves = Counter(
+            (r.from_status, r.to_status, r.reason, r.detail is None)
+            for r in conn.execute(sa.select(task_events).where(task_events.c.task_id.in_(ids)))
+        )
+        routes = Counter(
+            (r.model, r.decision, r.outcome, r.provider)
+            for r in conn.execute(sa.select(route_log).where(route_log.c.task_id.in_(ids)))
+        )
+        workers = sa.select(route_log.c.worker).where(route_log.c.task_id.in_(ids))
+        calls = conn.execute(
+            sa.select(sa.func.sum(usage_daily.c.calls)).where(usage_daily.c.worker.in_(workers))
+        ).scalar()
+    return {"tasks": tasks, "events": moves, "routes": routes, "calls": calls}
+
+
+def test_the_bare_write_set_writes_what_the_steady_state_writes(db: Database) -> None:
+    floor, counting = load("floor"), load("counting")
+    url = db.engine.url.render_as_string(hide_password=False)
+    if db.dialect != "sqlite":
+        with pytest.raises(ValueError, match="SQLite's"):
+            floor.steady(url, 1, 5)
+        return
+    rate, cpu = floor.steady(url, 2, 12)  # two processes taking turns, as workers do
+    assert rate > 0 and cpu > 0
+    with db.engine.connect() as conn:
+        agent = conn.execute(
+            sa.select(bus_commands.c.agent).where(bus_commands.c.agent.like("floor%")).distinct()
+        ).scalar_one_or_none()
+    assert agent is not None
+    queue = TaskQueue(db)
+    queue.enqueue_many([TaskSpec(agent="steady", command="t", models=("sim/noop",))] * 12)
+    assert counting.steady_loop(queue, "steady", "w", 1) == 12
+    ours, bare = written(db, "steady"), written(db, agent)
+    assert bare == ours
+    assert ours["tasks"] == Counter({("done", 1, "ok", "model=sim/noop"): 12})
+    assert ours["calls"] == 12
