@@ -94,14 +94,21 @@ class Prepared:
 
     def execute(self, conn: Connection, values: Mapping[str, Any]) -> Any:
         """Run once; returns the driver's cursor."""
-        params = self.params(values)
+        return self.run(conn, self.params(values))
+
+    def execute_many(self, conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
+        self.run_many(conn, [self.params(row) for row in rows])
+
+    def run(self, conn: Connection, params: Any) -> Any:
+        """Run once with the driver's parameters made already (``params``: made outside
+        a transaction that should hold only its statements); returns the driver's cursor."""
         with _AsSQLAlchemyErrors(conn, self.sql, params):
             if not self._server_side:
                 return _sqlite_cursor(conn).execute(self.sql, params)
             return _raw_cursor(conn, self._binary_arrays).execute(self.sql, params, prepare=True)
 
-    def execute_many(self, conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
-        params = [self.params(row) for row in rows]
+    def run_many(self, conn: Connection, params: list[Any]) -> None:
+        """Run once per row of driver parameters made already (``params``)."""
         if params and self._server_side:
             with _AsSQLAlchemyErrors(conn, self.sql, params):
                 _raw_cursor(conn, self._binary_arrays).executemany(self.sql, params)

@@ -209,9 +209,10 @@ class SteadyState:
     def _sqlite(
         self, acks: Sequence[Settlement], claim: dict[str, Any]
     ) -> tuple[set[int], list[dict[str, Any]]]:
-        """Everything that does not depend on the transaction is made before it begins
-        and the claimed rows are read after it ends: the writers' turn (one writer at a
-        time on SQLite) holds only the statements."""
+        """Every statement's parameters are made before the transaction begins (a claim's
+        event from a template its task's id and token are put in) and the claimed rows
+        are read after it ends: the writers' turn (one writer at a time on SQLite) holds
+        the statements and little else."""
         now, worker = claim["p_now"], claim["p_worker"]
         complete, claim_one, claim_many, insert_event, insert_route, add_usage = (
             self._sqlite_statements
@@ -219,34 +220,39 @@ class SteadyState:
         claiming = claim_one if claim["p_limit"] == 1 else claim_many
         completes = []
         for a in acks:
-            params = {"p_id": a.task_id, "p_token": a.token, "p_now": now}
-            params.update((k, events.storable(v)) for k, v in settle_params(a.decision)[1].items())
-            completes.append((a, params))
-        settled = {a.task_id: events.for_settlement(a, worker, now) for a in acks}
+            values = {"p_id": a.task_id, "p_token": a.token, "p_now": now}
+            values.update((k, events.storable(v)) for k, v in settle_params(a.decision)[1].items())
+            completes.append((a, complete.params(values)))
+        settled = {
+            a.task_id: insert_event.params(events.for_settlement(a, worker, now)) for a in acks
+        }
         all_routes = [r for a in acks for r in a.routes]
-        route_rows, usage_rows = [r.row() for r in all_routes], usage.rows(all_routes)
-        id_at, token_at = claiming.columns.index("id"), claiming.columns.index("claim_token")
+        route_rows = [insert_route.params(r.row()) for r in all_routes]
+        usage_rows = [add_usage.params(row) for row in usage.rows(all_routes)]
+        claimed = insert_event.params(
+            events.event(0, QUEUED, CLAIMED, now, worker=worker, claim_token=0, reason="claim")
+        )
+        claiming_params = claiming.params(claim)
+        names = insert_event.names
+        task_at, token_at = names.index("task_id"), names.index("claim_token")
+        id_at, claim_token_at = claiming.columns.index("id"), claiming.columns.index("claim_token")
+
+        def claim_event(row: tuple[Any, ...]) -> list[Any]:
+            event = list(claimed)
+            event[task_at], event[token_at] = row[id_at], row[claim_token_at]
+            return event
 
         def work(conn: Connection) -> tuple[list[Settlement], list[tuple[Any, ...]]]:
-            done = [a for a, params in completes if complete.execute(conn, params).rowcount == 1]
-            fetched = claiming.fetch(claiming.execute(conn, claim)) if claim["p_limit"] else []
-            moves = [settled[a.task_id] for a in done]
-            moves.extend(
-                events.event(
-                    row[id_at],
-                    QUEUED,
-                    CLAIMED,
-                    now,
-                    worker=worker,
-                    claim_token=row[token_at],
-                    reason="claim",
-                )
-                for row in fetched
+            done = [a for a, params in completes if complete.run(conn, params).rowcount == 1]
+            fetched = (
+                claiming.fetch(claiming.run(conn, claiming_params)) if claim["p_limit"] else []
             )
-            insert_event.execute_many(conn, moves)
+            moves = [settled[a.task_id] for a in done]
+            moves.extend(claim_event(row) for row in fetched)
+            insert_event.run_many(conn, moves)
             if len(done) == len(acks):  # as nearly always: the rows made beforehand
-                insert_route.execute_many(conn, route_rows)
-                add_usage.execute_many(conn, usage_rows)
+                insert_route.run_many(conn, route_rows)
+                add_usage.run_many(conn, usage_rows)
             else:
                 routes = [r for a in done for r in a.routes]
                 insert_route.execute_many(conn, [r.row() for r in routes])
