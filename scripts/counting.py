@@ -65,16 +65,20 @@ def steady_loop(queue: TaskQueue, agent: str, worker: str, batch: int) -> int:
         now = time.time()
         acks = [
             Settlement(
-                t.id, t.claim_token, Complete("ok", "sim/noop"), [_call(t, agent, worker, now)]
+                t.id,
+                t.claim_token,
+                Complete("ok", "sim/noop"),
+                [call_route(t.id, t.claim_token, agent, worker, now)],
             )
             for t in claimed
         ]
 
 
-def _call(task: Any, agent: str, worker: str, at: float) -> Route:
+def call_route(task_id: int, claim_token: int, agent: str, worker: str, at: float) -> Route:
+    """The routing row of a no-op task's one call, as a worker records it."""
     return Route(
-        task.id,
-        task.claim_token,
+        task_id,
+        claim_token,
         agent,
         "sim/noop",
         "call",

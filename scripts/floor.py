@@ -40,6 +40,7 @@ from agentbus.queue.statements import (
     claim_statement,
     settle_params,
 )
+from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
 
 
@@ -66,7 +67,9 @@ def enqueue(queue: TaskQueue, spec: TaskSpec, single: int) -> float:
     insert = db.prepared(ENQUEUE_ONE)
     task = insert.params({name: row[column] for name, column in ENQUEUE_ONE_BINDS})
     event = db.prepared(INSERT_EVENT)
-    _task_id, *rest = event.params(events.event(0, None, "queued", now, reason="enqueue"))
+    _task_id, *rest = event.params(
+        events.event(0, None, TaskStatus.QUEUED.value, now, reason="enqueue")
+    )
     conn = _connect(str(path), _synchronous(db))
     try:
 
@@ -93,8 +96,9 @@ def steady(url: str, processes: int, tasks: int) -> tuple[float, float]:
     path, level = str(db.sqlite_path()), _synchronous(db)
     agent = f"floor{uuid.uuid4().hex[:6]}"
     spec = TaskSpec(agent=agent, command="t", models=("sim/noop",))
+    queue = TaskQueue(db)
     for start in range(0, tasks, 500):
-        TaskQueue(db).enqueue_many([spec] * min(500, tasks - start))
+        queue.enqueue_many([spec] * min(500, tasks - start))
     db.dispose()
     results, elapsed = together(processes, _drain, lambda n: (url, path, level, agent))
     done, cpu = sum(r[0] for r in results), sum(r[1] for r in results)
@@ -122,14 +126,22 @@ def _drain(
     db.dispose()
     # The rows of one task (id 0, token 0) as agentbus makes them; each task's id and
     # token go in their places.
-    route = counting._call(_Claimed(0, 0), agent, worker, now)
+    route = counting.call_route(0, 0, agent, worker, now)
     done = Settlement(0, 0, Complete("ok", "sim/noop"), [route])
     completion = complete.params(
         {"p_id": 0, "p_token": 0, "p_now": now, **settle_params(done.decision)[1]}
     )
     settled = insert_event.params(events.for_settlement(done, worker, now))
     claimed = insert_event.params(
-        events.event(0, "queued", "claimed", now, worker=worker, claim_token=0, reason="claim")
+        events.event(
+            0,
+            TaskStatus.QUEUED.value,
+            TaskStatus.CLAIMED.value,
+            now,
+            worker=worker,
+            claim_token=0,
+            reason="claim",
+        )
     )
     routed = insert_route.params(route.row())
     used = [add_usage.params(row) for row in usage.rows([route])]
@@ -176,10 +188,3 @@ def _drain(
     cpu = time.process_time() - cpu
     conn.close()
     return count, cpu
-
-
-class _Claimed:
-    """What ``counting._call`` reads of a claimed task."""
-
-    def __init__(self, task_id: int, claim_token: int) -> None:
-        self.id, self.claim_token = task_id, claim_token

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from agentbus.db import Database
 from agentbus.queue import TaskQueue
+from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import bus_commands, route_log, task_events, usage_daily
 
@@ -68,5 +69,5 @@ def test_the_bare_write_set_writes_what_the_steady_state_writes(db: Database) ->
     assert counting.steady_loop(queue, "steady", "w", 1) == 12
     ours, bare = written(db, "steady"), written(db, agent)
     assert bare == ours
-    assert ours["tasks"] == Counter({("done", 1, "ok", "model=sim/noop"): 12})
+    assert ours["tasks"] == Counter({(TaskStatus.DONE, 1, "ok", "model=sim/noop"): 12})
     assert ours["calls"] == 12

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -129,6 +129,40 @@ def ack_and_claim_postgres(*, single: bool = False) -> sa.Select[Any]:
     )
 
 
+class _SQLiteStatements(NamedTuple):
+    """The SQLite steady state's statements, compiled once for one database, and where a
+    claim's event takes its task's id and claim token (``insert_event``'s parameters)
+    and where a claimed row holds them (both claims return the same columns)."""
+
+    complete: Prepared
+    claim_one: Prepared
+    claim_many: Prepared
+    insert_event: Prepared
+    insert_route: Prepared
+    add_usage: Prepared
+    claim_event_places: tuple[tuple[int, int], tuple[int, int]]
+
+    @classmethod
+    def compile(cls, dialect: sa.Dialect) -> _SQLiteStatements:
+        insert_event, claim_one = (
+            prepared(dialect, INSERT_EVENT),
+            prepared(dialect, claim_statement("sqlite", single=True)),
+        )
+        names, columns = insert_event.names, claim_one.columns
+        return cls(
+            prepared(dialect, SETTLE["complete"]),
+            claim_one,
+            prepared(dialect, claim_statement("sqlite")),
+            insert_event,
+            prepared(dialect, INSERT_ROUTE),
+            prepared(dialect, usage.upsert("sqlite")),
+            (
+                (names.index("task_id"), names.index("claim_token")),
+                (columns.index("id"), columns.index("claim_token")),
+            ),
+        )
+
+
 class SteadyState:
     """``run``: settle completions and claim, on one database."""
 
@@ -137,19 +171,10 @@ class SteadyState:
         self.postgres = db.dialect == "postgresql"
 
     @functools.cached_property
-    def _sqlite_statements(self) -> tuple[Prepared, ...]:
-        """SQLite's statements of the steady state, compiled at the first claim (a queue
-        that never claims, a command's, compiles none) and kept: complete, claim one,
-        claim many, insert an event, insert a routing row, add usage."""
-        dialect = self.db.engine.dialect
-        return (
-            prepared(dialect, SETTLE["complete"]),
-            prepared(dialect, claim_statement("sqlite", single=True)),
-            prepared(dialect, claim_statement("sqlite")),
-            prepared(dialect, INSERT_EVENT),
-            prepared(dialect, INSERT_ROUTE),
-            prepared(dialect, usage.upsert("sqlite")),
-        )
+    def _sqlite_statements(self) -> _SQLiteStatements:
+        """Compiled at the first claim (a queue that never claims, a command's, compiles
+        none) and kept."""
+        return _SQLiteStatements.compile(self.db.engine.dialect)
 
     def run(
         self,
@@ -214,10 +239,10 @@ class SteadyState:
         are read after it ends: the writers' turn (one writer at a time on SQLite) holds
         the statements and little else."""
         now, worker = claim["p_now"], claim["p_worker"]
-        complete, claim_one, claim_many, insert_event, insert_route, add_usage = (
-            self._sqlite_statements
-        )
-        claiming = claim_one if claim["p_limit"] == 1 else claim_many
+        statements = self._sqlite_statements
+        complete, insert_event = statements.complete, statements.insert_event
+        insert_route, add_usage = statements.insert_route, statements.add_usage
+        claiming = statements.claim_one if claim["p_limit"] == 1 else statements.claim_many
         completes = []
         for a in acks:
             values = {"p_id": a.task_id, "p_token": a.token, "p_now": now}
@@ -233,9 +258,7 @@ class SteadyState:
             events.event(0, QUEUED, CLAIMED, now, worker=worker, claim_token=0, reason="claim")
         )
         claiming_params = claiming.params(claim)
-        names = insert_event.names
-        task_at, token_at = names.index("task_id"), names.index("claim_token")
-        id_at, claim_token_at = claiming.columns.index("id"), claiming.columns.index("claim_token")
+        (task_at, token_at), (id_at, claim_token_at) = statements.claim_event_places
 
         def claim_event(row: tuple[Any, ...]) -> list[Any]:
             event = list(claimed)
