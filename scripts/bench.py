@@ -42,8 +42,9 @@ Workload (per backend):
   against its cores; on SQLite the writers' turns, timed in place (one writer
   commits at a time: B / the mean turn; scripts/turns.py). On SQLite, at batch 1
   with 1 and 2 processes, also the same statements on bare ``sqlite3``
-  connections taking the same turns, their parameters made ahead: what those
-  rows cost whatever the code around them (scripts/floor.py). Once more with 2T
+  connections taking the same turns, their parameters made ahead, and those
+  turns timed the same way: what those rows cost whatever the code around them
+  (scripts/floor.py). Once more with 2T
   tasks of the agent queued a day ahead (the due ones must not wait on them).
 
 - many calls from one process: 200 tasks whose call takes 2 s, drained by one
@@ -309,11 +310,11 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
                 )
             )
             if batch == 1 and procs <= 2 and url.startswith("sqlite"):
-                rate, cpu = floor.steady(url, procs, args.tasks)
+                rate, cpu, held = floor.steady(url, procs, args.tasks)
                 rows.append(
                     (
                         f"claim+complete, {procs} proc, batch 1, its statements alone (sqlite3)",
-                        f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task",
+                        measure.joined(f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task", held),
                     )
                 )
     ahead = 2 * args.tasks

@@ -8,7 +8,8 @@ those rows cost whatever the code around them, beside what agentbus's own paths 
   writes it (``agentbus.queue.steady``): complete the last claim, claim the next,
   the two events, the routing row of the call and its usage, in one transaction;
   the processes take the writers' turn agentbus's writers take (an ``flock`` on the
-  database's ``-writer`` file, ``sqlite_engine.WriterTurns``).
+  database's ``-writer`` file, ``sqlite_engine.WriterTurns``), timed as
+  ``turns.TurnClock`` times ours: from the lock taken to after COMMIT.
 
 Both use the statements agentbus compiles (``agentbus.prepared``) and the
 connection settings of agentbus's engine: WAL, the same ``synchronous``, foreign keys.
@@ -25,6 +26,7 @@ from multiprocessing.synchronize import Event
 from typing import Any
 
 import counting
+import turns
 from processes import together
 
 from agentbus.admission import usage
@@ -87,9 +89,10 @@ def enqueue(queue: TaskQueue, spec: TaskSpec, single: int) -> float:
         conn.close()
 
 
-def steady(url: str, processes: int, tasks: int) -> tuple[float, float]:
+def steady(url: str, processes: int, tasks: int) -> tuple[float, float, str]:
     """``processes`` processes drain ``tasks`` no-op tasks with the bare steady-state
-    write set: (tasks per second, the processes' CPU milliseconds per task)."""
+    write set: (tasks per second, the processes' CPU milliseconds per task, their
+    writers' turns as ``turns.figures`` shows them)."""
     db = Database(url)
     if db.sqlite_path() is None:
         raise ValueError(f"the bare write set is SQLite's: not {db.dialect}")
@@ -103,7 +106,8 @@ def steady(url: str, processes: int, tasks: int) -> tuple[float, float]:
     results, elapsed = together(processes, _drain, lambda n: (url, path, level, agent))
     done, cpu = sum(r[0] for r in results), sum(r[1] for r in results)
     assert done == tasks, (done, tasks)
-    return tasks / elapsed, cpu / tasks * 1000
+    taken = [sum(r[i] for r in results) for i in (2, 3, 4)]
+    return tasks / elapsed, cpu / tasks * 1000, turns.figures(int(taken[0]), *taken[1:])
 
 
 def _positions(names: list[str], *wanted: str) -> list[int]:
@@ -112,9 +116,10 @@ def _positions(names: list[str], *wanted: str) -> list[int]:
 
 def _drain(
     url: str, path: str, level: int, agent: str, ready: Event, go: Event
-) -> tuple[int, float]:
+) -> tuple[int, float, int, float, float]:
     """One process: complete the last claim and claim the next until none is left;
-    (tasks completed, CPU seconds)."""
+    (tasks completed, CPU seconds, turns taken, seconds they were held, seconds of
+    their COMMITs)."""
     db = Database(url)
     worker, now = f"floor{os.getpid()}", time.time()
     complete, claim = (
@@ -164,8 +169,10 @@ def _drain(
     ready.set()
     go.wait()
     cpu, count, last = time.process_time(), 0, None
+    taken, held, committing, clock = 0, 0.0, 0.0, time.perf_counter
     while True:
         fcntl.flock(turn, fcntl.LOCK_EX)
+        began = clock()
         conn.execute("BEGIN IMMEDIATE")
         moves = []
         if last is not None:
@@ -180,11 +187,14 @@ def _drain(
             cursor.execute(insert_route.sql, put(routed, at_route, last))
             cursor.executemany(add_usage.sql, used)
             count += 1
+        commit = clock()
         conn.execute("COMMIT")
+        ended = clock()
         fcntl.flock(turn, fcntl.LOCK_UN)
+        taken, held, committing = taken + 1, held + ended - began, committing + ended - commit
         if task is None:
             break
         last = task
     cpu = time.process_time() - cpu
     conn.close()
-    return count, cpu
+    return count, cpu, taken, held, committing

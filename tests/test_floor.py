@@ -57,8 +57,9 @@ def test_the_bare_write_set_writes_what_the_steady_state_writes(db: Database) ->
         with pytest.raises(ValueError, match="SQLite's"):
             floor.steady(url, 1, 5)
         return
-    rate, cpu = floor.steady(url, 2, 12)  # two processes taking turns, as workers do
+    rate, cpu, held = floor.steady(url, 2, 12)  # two processes taking turns, as workers do
     assert rate > 0 and cpu > 0
+    assert held.startswith("writers' turn ") and "COMMIT" in held
     with db.engine.connect() as conn:
         agent = conn.execute(
             sa.select(bus_commands.c.agent).where(bus_commands.c.agent.like("floor%")).distinct()
