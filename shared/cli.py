@@ -55,6 +55,16 @@ def start_up() -> Callable[[], None]:
     return started
 
 
+def import_driver(database_url: str) -> None:
+    """A long-running process's database driver, imported before its engine loads it:
+    psycopg without the modules it would load for nothing (``lean.import_psycopg``)."""
+    from agentbus.db import parse_url
+    from agentbus.lean import import_psycopg
+
+    if parse_url(database_url).get_backend_name() == "postgresql":
+        import_psycopg()
+
+
 def run(command: click.Command, prog: str, args: list[str] | None = None) -> None:
     """Run a click command the agentbus way and exit."""
     from agentbus.clock import skew_host_clock

@@ -42,6 +42,20 @@ def import_sqlalchemy() -> None:
             import sqlalchemy  # noqa: F401
 
 
+def import_psycopg() -> None:
+    """Import psycopg without ``ssl``, once, before anything else imports it (a PostgreSQL
+    process's engine, its listener). psycopg imports asyncio for its async connections,
+    and asyncio imports ``ssl`` for its TLS support: the system's OpenSSL (~4 MB
+    resident), which a worker and the sweeper never use. psycopg's compiled
+    implementations (the binary package, or psycopg-c) connect over TLS through libpq,
+    which brings its own. Its pure-Python implementation imports ``ssl`` on purpose
+    (libcrypto before libpq): where that is the one installed, the lean import fails and
+    psycopg is imported as usual, later, by whoever needs it."""
+    if "psycopg" not in sys.modules and find_spec("psycopg") is not None:
+        with contextlib.suppress(ImportError), hidden("ssl"):
+            import psycopg  # noqa: F401
+
+
 def import_structlog() -> None:
     """Import structlog without ``UNUSED_BY_STRUCTLOG``, once, before anything else
     imports it; a printer the process imported itself stays as it is."""

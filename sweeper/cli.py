@@ -38,6 +38,7 @@ def sweeper(
     from agentbus.sweeper import jobs
     from agentbus.sweeper.service import SweeperService, run_once
 
+    cli.import_driver(config.settings.database_url)
     db = Database.from_settings(config.settings)
     try:
         db.require_migrated()

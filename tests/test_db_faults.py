@@ -4,11 +4,7 @@ restart on PostgreSQL. Nothing is lost and no process crashes."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import shutil
 import signal
-import subprocess
-import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -16,13 +12,14 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from agentbus.db import Database, migrate
+from agentbus.db import Database
 from agentbus.queue import TaskQueue, reads
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
-from tests.conftest import IN_CI, Backends
+from tests.conftest import Backends
+from tests.pg_cluster import throwaway_cluster
 from tests.procs import hammer
-from tests.support import Proc, free_port, wait_until
+from tests.support import Proc, wait_until
 
 pytestmark = pytest.mark.process
 Spawn = Callable[..., Proc]
@@ -117,55 +114,9 @@ def test_postgres_connections_terminated_mid_run(
 
 @pytest.fixture
 def throwaway_postgres() -> Iterator[tuple[str, Callable[[], None]]]:
-    """A PostgreSQL cluster of the test's own (initdb + pg_ctl), and a way to restart it."""
-    bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
-    if not bins:
-        if IN_CI:
-            pytest.fail("initdb is needed under CI for the restart test", pytrace=False)
-        pytest.skip("no initdb on this machine")
-    bindir = bins[-1].parent
-    root = Path(tempfile.mkdtemp(prefix="agentbus-pg-"))
-    run_as: list[str] = []
-    if os.geteuid() == 0:  # PostgreSQL refuses to run as root
-        run_as = ["runuser", "-u", "postgres", "--"]
-        shutil.chown(root, "postgres")
-    port = free_port()
-    data = root / "data"
-    pg_ctl = [
-        *run_as,
-        str(bindir / "pg_ctl"),
-        "-D",
-        str(data),
-        "-l",
-        str(root / "log"),
-        "-w",
-        "-o",
-        f"-p {port} -k {root} -c listen_addresses=127.0.0.1",
-    ]
-    subprocess.run(
-        [*run_as, str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust"],
-        check=True,
-        capture_output=True,
-    )
-    subprocess.run([*pg_ctl, "start"], check=True, capture_output=True)
-    try:
-        with psycopg.connect(
-            f"host=127.0.0.1 port={port} user=postgres dbname=postgres", autocommit=True
-        ) as conn:
-            conn.execute("CREATE DATABASE bus")
-        url = f"postgresql+psycopg://postgres@127.0.0.1:{port}/bus"
-        db = Database(url)
-        migrate(db)
-        db.dispose()
-        yield (
-            url,
-            lambda: subprocess.run(
-                [*pg_ctl, "-m", "fast", "restart"], check=True, capture_output=True
-            ),
-        )
-    finally:
-        subprocess.run([*pg_ctl, "-m", "immediate", "stop"], capture_output=True, check=False)
-        shutil.rmtree(root, ignore_errors=True)
+    """A PostgreSQL cluster of the test's own, and a way to restart it."""
+    with throwaway_cluster() as cluster:
+        yield cluster
 
 
 def test_postgres_restart_mid_run(

@@ -108,6 +108,7 @@ def worker(
     from agentbus.db import Database
     from agentbus.worker.loop import Options, Worker
 
+    cli.import_driver(config.settings.database_url)
     settings = config.settings
     db = Database.from_settings(settings, threads=settings.concurrency, no_bitmap_scans=True)
     try:
