@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import sqlite3
 import sys
 import threading
 import weakref
@@ -27,7 +26,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine
 
-from agentbus import sqlite_engine
 from agentbus.clock import clock_for
 from agentbus.errors import BusError, DatabaseUnavailable, NotMigrated
 from agentbus.logging import get_logger
@@ -80,10 +78,13 @@ def is_transient(exc: BaseException) -> bool:
     if exc.connection_invalidated:
         return True
     orig = exc.orig
-    if isinstance(orig, sqlite3.OperationalError):
+    sqlite3 = sys.modules.get("sqlite3")  # imported by the engine when the URL is SQLite
+    if sqlite3 is not None and isinstance(orig, sqlite3.OperationalError):
+        from agentbus.sqlite_engine import RETRIED_CODES
+
         code = getattr(orig, "sqlite_errorcode", None)
         if code is not None:
-            return code & 0xFF in sqlite_engine.RETRIED_CODES
+            return code & 0xFF in RETRIED_CODES
         return "locked" in str(orig) or "busy" in str(orig)
     psycopg = sys.modules.get("psycopg")  # imported by the engine when the URL is PostgreSQL
     return psycopg is not None and isinstance(orig, psycopg.OperationalError)
@@ -123,21 +124,24 @@ class Database:
         self.clock: Callable[[], float] = clock_for(self)
         self.retry_for = retry_for
         self._synchronous = sqlite_synchronous.upper()
-        self._relaxed = sqlite_engine.relaxed(sqlite_synchronous)
+        self._relaxed: str | None = None
+        self._writers: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if self.dialect == "sqlite":
+            # Imported here only: a PostgreSQL process never loads sqlite3 (~1 MB resident).
+            from agentbus import sqlite_engine
+
+            self._relaxed = sqlite_engine.relaxed(sqlite_synchronous)
             self.engine = sqlite_engine.engine(
                 self.url, sqlite_busy_timeout_ms, sqlite_synchronous, pool_size
             )
+            if (path := self.sqlite_path()) is not None:
+                self._writers = sqlite_engine.WriterTurns(path)
         else:
             self.engine = sa.create_engine(
                 self.url, pool_size=pool_size, max_overflow=pool_size, json_deserializer=_json_loads
             )
             if no_bitmap_scans:
                 sa.event.listen(self.engine, "connect", _no_bitmap_scans)
-        path = self.sqlite_path()
-        self._writers: contextlib.AbstractContextManager[None] = (
-            sqlite_engine.WriterTurns(path) if path is not None else contextlib.nullcontext()
-        )
         if self.dialect == "postgresql":
             # A read is one statement or a report: autocommit spares BEGIN and COMMIT
             # (two of the three round trips of a lone SELECT).
@@ -190,6 +194,8 @@ class Database:
         transaction costs less without SQLAlchemy's transaction object and events)."""
         with self._writers:
             if self.dialect == "sqlite":
+                from agentbus import sqlite_engine
+
                 if durable or self._relaxed is None:
                     return sqlite_engine.in_driver_transaction(conn, work)
                 with sqlite_engine.synchronous(conn, self._relaxed, self._synchronous):

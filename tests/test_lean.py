@@ -43,7 +43,7 @@ WORKER = """
 import os, sys
 from agentbus.worker.cli import worker
 code = worker.main(["--agent", "lean", "--db", sys.argv[1], "--drain"], standalone_mode=False)
-loaded = [name for name in ("ssl", "_hashlib") if name in sys.modules]
+loaded = [name for name in ("ssl", "_hashlib", "sqlite3") if name in sys.modules]
 maps = open("/proc/self/maps").read() if os.path.exists("/proc/self/maps") else ""
 import hashlib, sqlalchemy.util  # as the worker's code has them
 print(code, ",".join(loaded) or "-", "libcrypto" in maps)
@@ -58,8 +58,9 @@ def test_a_worker_runs_without_openssl_where_its_database_needs_none(
 ) -> None:
     """SQLAlchemy and psycopg import asyncio's TLS support, and SQLAlchemy hashlib's OpenSSL
     constructors, which a worker never uses: it loads neither ``ssl`` nor, on SQLite,
-    OpenSSL at all (psycopg's libpq brings an OpenSSL of its own on PostgreSQL). Hashes
-    come out the same, and a later import of ssl works."""
+    OpenSSL at all (psycopg's libpq brings an OpenSSL of its own on PostgreSQL); a
+    PostgreSQL worker does not load sqlite3 either. Hashes come out the same, and a later
+    import of ssl works."""
     db = Database(db_url)
     queue = TaskQueue(db)
     task_id = queue.enqueue(TaskSpec(agent="lean", command="hi", models=("sim/a",))).id
@@ -76,8 +77,9 @@ def test_a_worker_runs_without_openssl_where_its_database_needs_none(
     code, loaded, libcrypto = status.split()
     assert code == "0"
     assert "ssl" not in loaded.split(",")
+    assert ("sqlite3" in loaded.split(",")) is (backend == "sqlite")
     if backend == "sqlite" and "_hashlib" in unused_by_sqlalchemy():  # Python's own hashes
-        assert (loaded, libcrypto) == ("-", "False")
+        assert (loaded, libcrypto) == ("sqlite3", "False")
     expected = [hashlib.sha256(b"key").hexdigest()[:16], hashlib.md5(b"label").hexdigest()]
     assert hashes.split() == expected
     assert tls == "True"
