@@ -136,6 +136,9 @@ class Database:
             )
             if (path := self.sqlite_path()) is not None:
                 self._writers = sqlite_engine.WriterTurns(path)
+            # Held for the write transactions: the module is not looked up at each one.
+            self._on_driver = sqlite_engine.in_driver_transaction
+            self._at_level = sqlite_engine.synchronous
         else:
             self.engine = sa.create_engine(
                 self.url, pool_size=pool_size, max_overflow=pool_size, json_deserializer=_json_loads
@@ -194,12 +197,10 @@ class Database:
         transaction costs less without SQLAlchemy's transaction object and events)."""
         with self._writers:
             if self.dialect == "sqlite":
-                from agentbus import sqlite_engine
-
                 if durable or self._relaxed is None:
-                    return sqlite_engine.in_driver_transaction(conn, work)
-                with sqlite_engine.synchronous(conn, self._relaxed, self._synchronous):
-                    return sqlite_engine.in_driver_transaction(conn, work)
+                    return self._on_driver(conn, work)
+                with self._at_level(conn, self._relaxed, self._synchronous):
+                    return self._on_driver(conn, work)
             with conn.begin():
                 return work(conn)
 
