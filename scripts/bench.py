@@ -47,6 +47,11 @@ Workload (per backend):
   (scripts/floor.py). Once more with 2T
   tasks of the agent queued a day ahead (the due ones must not wait on them).
 
+- machine: what this machine charges for a worker's two waits at batch 1, apart
+  from agentbus: a pipe round trip between two processes on different cores and
+  on one (being woken by another process), and a SQLite COMMIT by the pages it
+  appends to the log, 1 to 12 (scripts/machine.py).
+
 - many calls from one process: 200 tasks whose call takes 2 s, drained by one
   worker with --concurrency 1, 16 and 64, and by 16 single-slot workers: wall
   time against the best possible, peak RSS, connections held
@@ -78,12 +83,14 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.synchronize import Event
+from pathlib import Path
 
 import compare
 import concurrency_bench
 import counting
 import floor
 import latency
+import machine
 import measure
 import psycopg
 import sqlalchemy as sa
@@ -374,7 +381,10 @@ def main() -> None:
         return
     rows: list[tuple[str, str, str]] = []
     with measure.Stolen() as stolen:
-        for backend in args.backends.split(","):
+        backends = args.backends.split(",")
+        where = Path(tempfile.gettempdir()) if "sqlite" in backends else None  # as database()
+        rows += [("machine", *row) for row in machine.rows(where, args.sqlite_synchronous)]
+        for backend in backends:
             with database(backend, args.sqlite_synchronous) as url:
                 rows += [(backend, *row) for row in bench_backend(url, args)]
                 print(f"# {backend} done", file=sys.stderr)
