@@ -3,17 +3,17 @@ from agentbus: being woken by another process, and a durable SQLite commit by th
 pages it appends to the write-ahead log.
 
 - wake-up: two processes pass a byte back and forth over two pipes, each blocked
-  in ``read`` until the other writes: the round trip, and the CPU both spend on
-  it, with the two on different cores and then on the same core. A worker blocks
+  in ``read`` until the other writes: the round trip, and the CPU one side spends
+  on it, with the two on different cores and then on the same core. A worker blocks
   and is woken twice a task (the writers' turn passing from the other worker, then
   its own commit's fsync; on PostgreSQL the server's answer). Where an idle core
   halts at once (a VM whose guest does not poll before halting), each of those
   wake-ups costs more than the switch itself, in time and in CPU.
 - commit by pages: SQLite in WAL mode at the ``synchronous`` level given, each
   transaction changing one row in each of K one-page tables, so that its commit
-  appends exactly K pages to the log (counted from the log's growth, checkpoints
-  held off): the mean COMMIT, from what huey's dequeue writes to what a worker's
-  steady state writes (``scripts/counting.py`` counts those pages).
+  appends exactly K pages to the log (the log's own count of its frames,
+  checkpoints held off): the mean COMMIT, from one page to the ~12 of a worker's
+  steady-state commit (``scripts/counting.py`` counts those).
 """
 
 from __future__ import annotations
