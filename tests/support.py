@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +30,17 @@ class FakeClock:
     def advance(self, seconds: float) -> float:
         self.now += seconds
         return self.now
+
+
+SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
+
+
+def script(name: str) -> Any:
+    """The module ``scripts/<name>.py`` (the bench's modules import one another by name,
+    so their folder goes on the path)."""
+    if SCRIPTS not in sys.path:
+        sys.path.insert(0, SCRIPTS)
+    return importlib.import_module(name)
 
 
 def clean_env() -> dict[str, str]:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import signal
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,23 +11,13 @@ import pytest
 from agentbus.db import Database
 from agentbus.queue import TaskQueue, reads
 from agentbus.queue.tasks import TaskSpec
-from tests.support import Proc, wait_until
+from tests.support import Proc, script, wait_until
 
 pytestmark = pytest.mark.process
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_chaos() -> object:
-    spec = importlib.util.spec_from_file_location("chaos", ROOT / "scripts" / "chaos.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["chaos"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_short_chaos_run_loses_nothing(db_url: str, tmp_path: Path) -> None:
-    chaos = load_chaos()
+    chaos = script("chaos")
     report = chaos.run(
         db_url,
         tasks=300,

@@ -3,10 +3,7 @@ state writes, so that its figures are a floor under the same rows."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,14 +14,7 @@ from agentbus.queue import TaskQueue
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import bus_commands, route_log, task_events, usage_daily
-
-SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
-
-
-def load(name: str) -> Any:
-    if SCRIPTS not in sys.path:  # the bench's modules import one another by name
-        sys.path.insert(0, SCRIPTS)
-    return importlib.import_module(name)
+from tests.support import script
 
 
 def written(db: Database, agent: str) -> dict[str, Any]:
@@ -51,7 +41,7 @@ def written(db: Database, agent: str) -> dict[str, Any]:
 
 
 def test_the_bare_write_set_writes_what_the_steady_state_writes(db: Database) -> None:
-    floor, counting = load("floor"), load("counting")
+    floor, counting = script("floor"), script("counting")
     url = db.engine.url.render_as_string(hide_password=False)
     if db.dialect != "sqlite":
         with pytest.raises(ValueError, match="SQLite's"):

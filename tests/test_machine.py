@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_floor import load
+from tests.support import script
 
 
 def test_each_commit_appends_as_many_pages_as_tables_it_changes(tmp_path: Path) -> None:
-    machine = load("machine")
+    machine = script("machine")
     costs = machine.commit_cost(tmp_path, "FULL", (1, 3, 12), 6)
     assert {k: pages for k, (_, pages) in costs.items()} == {1: 1.0, 3: 3.0, 12: 12.0}
     assert all(us > 0 for us, _ in costs.values())
@@ -21,7 +21,7 @@ def test_each_commit_appends_as_many_pages_as_tables_it_changes(tmp_path: Path) 
 
 @pytest.mark.parametrize("same_core", [False, True])
 def test_round_trips_give_the_process_its_cores_back(same_core: bool) -> None:
-    machine = load("machine")
+    machine = script("machine")
     before = os.sched_getaffinity(0)
     if not same_core and len(before) < 2:
         with pytest.raises(ValueError, match="two cores"):

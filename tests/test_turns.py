@@ -3,28 +3,15 @@ it is entered, with its COMMIT inside, and leaves the engine as it found it."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from typing import Any
-
 from agentbus import sqlite_engine
 from agentbus.db import Database
 from agentbus.queue import TaskQueue
 from agentbus.queue.tasks import TaskSpec
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_turns() -> Any:
-    spec = importlib.util.spec_from_file_location("turns", ROOT / "scripts" / "turns.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.support import script
 
 
 def test_the_clock_counts_each_turn_and_puts_the_engine_back(db: Database) -> None:
-    turns = load_turns()
+    turns = script("turns")
     queue = TaskQueue(db)
     before = (
         sqlite_engine.WriterTurns.__enter__,
