@@ -17,7 +17,10 @@ Workload (per backend):
   simulated no-op tasks one at a time (claim, call, complete: one transaction
   a task), then 2 in batches of 10, measured from spawn to exit; their CPU per
   task with their start-up and without it; peak RSS of one worker
-  (scripts/worker_bench.py).
+  (scripts/worker_bench.py). On SQLite each batch-1 drain runs again with the
+  workers' own writers' turns timed in place (scripts/turns.py run as a script):
+  the rate beside 1 / the mean turn, the most any worker taking those turns
+  could settle.
 - memory: one idle worker's RSS (up, nothing to claim), and the RSS of an
   interpreter that only imports SQLAlchemy and the database's driver.
 - sweeper resume pass: N paused tasks (1 % due) inserted directly; one

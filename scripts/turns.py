@@ -11,14 +11,25 @@ enqueues per second.
 ``TurnClock`` sums this process's turns and the COMMITs inside them, for as long
 as it is entered, by wrapping ``WriterTurns`` and ``sqlite_engine.statement``
 (which sends COMMIT): what they do is unchanged. One thread at a time.
+
+Run as a script, ``python turns.py OUT WORKER-ARGS...`` is the ``worker`` command
+with its own turns timed in place: it runs the command in this process, inside a
+``TurnClock``, and on exit writes the clock's totals to ``OUT/<pid>.json``.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from agentbus import sqlite_engine
+
+#: What ``TurnClock.totals`` gives, by name (the records the script writes).
+TOTALS = ("turns", "held", "committing")
 
 
 class TurnClock:
@@ -84,3 +95,21 @@ def figures(turns: int, held: float, committing: float, per_turn: int = 1) -> st
         f"writers' turn {turn:,.0f} µs (COMMIT {commit:,.0f} of it): "
         f"at most {per_turn * 1e6 / turn:,.0f}/s"
     )
+
+
+def _worker(out: Path, args: list[str]) -> None:
+    """The ``worker`` command with ``args``, its turns timed; their totals written to
+    ``out/<pid>.json`` however it ends (a drain exits through SystemExit)."""
+    from agentbus.worker.cli import main
+
+    sys.argv = ["worker", *args]
+    with TurnClock() as clock:
+        try:
+            main()
+        finally:
+            record = dict(zip(TOTALS, clock.totals(), strict=True))
+            (out / f"{os.getpid()}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]), sys.argv[2:])

@@ -4,12 +4,15 @@ libraries it imports."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
 import measure
+import turns
 
 from agentbus.db import Database
 from agentbus.queue import TaskQueue, reads
@@ -21,6 +24,27 @@ def worker_drain(
 ) -> measure.Figures:
     """``processes`` real ``worker --drain --batch B`` processes over ``tasks`` no-op tasks
     (none: how much a worker with nothing to do spends), timed from spawn to exit."""
+    exe = str(Path(sys.executable).with_name("worker"))
+    return _drain([exe], url, synchronous, processes, tasks, batch)
+
+
+def worker_turns(url: str, synchronous: str, processes: int, tasks: int) -> str:
+    """SQLite: ``processes`` ``worker --drain`` commands over ``tasks`` no-op tasks, one at
+    a time, with their writers' turns timed in place (``turns.py`` run as a script: the
+    command in a process of its own with a ``TurnClock`` around it): their rate, and
+    their turns as ``turns.figures`` shows them."""
+    with tempfile.TemporaryDirectory() as out:
+        wrapped = [sys.executable, str(Path(turns.__file__)), out]
+        run = _drain(wrapped, url, synchronous, processes, tasks, 1)
+        records = [json.loads(p.read_text()) for p in Path(out).glob("*.json")]
+    assert len(records) == processes, records
+    taken, held, committing = (sum(r[k] for r in records) for k in turns.TOTALS)
+    return f"{run.drain:,.0f} tasks/s; {turns.figures(taken, held, committing)}"
+
+
+def _drain(
+    command: list[str], url: str, synchronous: str, processes: int, tasks: int, batch: int
+) -> measure.Figures:
     agent = f"wbench{uuid.uuid4().hex[:6]}"
     db = Database(url, sqlite_synchronous=synchronous)
     queue = TaskQueue(db)
@@ -32,9 +56,8 @@ def worker_drain(
             ]
         )
     db.dispose()
-    exe = str(Path(sys.executable).with_name("worker"))
     env = {**os.environ, "AGENTBUS_SQLITE_SYNCHRONOUS": synchronous}
-    argv = [exe, "--agent", agent, "--db", url, "--drain", "--batch", str(batch)]
+    argv = [*command, "--agent", agent, "--db", url, "--drain", "--batch", str(batch)]
     return measure.consume(argv, processes, max(tasks, 1), env=env)
 
 
@@ -43,18 +66,23 @@ def bench_workers(url: str, synchronous: str, tasks: int) -> list[tuple[str, str
     a time; two in batches of 10. Their CPU per task with their start-up, and without
     it (what a worker that finds nothing to do spends, taken off once per process)."""
     started = worker_drain(url, synchronous, 1, 0, 1).cpu_ms  # per process, in ms
+    sqlite = url.startswith("sqlite")
     rows, peak = [], 0.0
     for processes, batch in ((1, 1), (2, 1), (2, 10)):
         run = worker_drain(url, synchronous, processes, tasks, batch)
         peak = max(peak, run.rss_mib)
         alone = run.cpu_ms - processes * started / tasks
+        label = f"worker processes, {processes} x drain {tasks:,} tasks, batch {batch}"
         rows.append(
             (
-                f"worker processes, {processes} x drain {tasks:,} tasks, batch {batch}",
+                label,
                 f"{run.drain:,.0f} tasks/s, {run.cpu_ms:.2f} ms CPU per task "
                 f"({alone:.2f} without the start-up)",
             )
         )
+        if batch == 1 and sqlite:  # what bounds it: its own turns, one a task
+            timed = worker_turns(url, synchronous, processes, tasks)
+            rows.append((f"{label}, turns timed in place", timed))
     rows.append(("worker RSS, peak", f"{peak:,.1f} MiB"))
     rows.append(("worker start-up and exit with nothing to do, CPU", f"{started:,.0f} ms"))
     return rows + bench_memory(url, synchronous)
