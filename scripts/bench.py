@@ -47,7 +47,9 @@ Workload (per backend):
   with 1 and 2 processes, also the same statements on bare ``sqlite3``
   connections taking the same turns, their parameters made ahead, and those
   turns timed the same way: what those rows cost whatever the code around them
-  (scripts/floor.py). Once more with 2T
+  (scripts/floor.py); over 2 processes once more with other work after each turn
+  in place of a worker's (small objects encoded as JSON, its time shown): what
+  such work makes the turns cost. Once more with 2T
   tasks of the agent queued a day ahead (the due ones must not wait on them).
 
 - machine: what this machine charges for a worker's two waits at batch 1, apart
@@ -115,6 +117,10 @@ from agentbus.sweeper import jobs
 PG_URL = os.environ.get(
     "AGENTBUS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
+#: Units of other work after each turn in the bare write set's second run over 2
+#: processes (``floor._work``): a few hundred µs, of the order of a worker's own work
+#: between its turns.
+BETWEEN = 100
 
 
 @contextmanager
@@ -320,13 +326,14 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
                 )
             )
             if batch == 1 and procs <= 2 and url.startswith("sqlite"):
-                rate, cpu, held = floor.steady(url, procs, args.tasks)
-                rows.append(
-                    (
-                        f"claim+complete, {procs} proc, batch 1, its statements alone (sqlite3)",
-                        measure.joined(f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task", held),
-                    )
-                )
+                alone = f"claim+complete, {procs} proc, batch 1, its statements alone"
+                runs = [("(sqlite3)", 0)]
+                if procs > 1:
+                    runs.append(("and other work between turns (sqlite3)", BETWEEN))
+                for what, between in runs:
+                    rate, cpu, held = floor.steady(url, procs, args.tasks, between)
+                    figure = measure.joined(f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task", held)
+                    rows.append((f"{alone} {what}", figure))
     ahead = 2 * args.tasks
     rate, cpu, _ = throughput(url, args.sqlite_synchronous, 1, 1, args.tasks, ahead)
     rows.append(

@@ -9,7 +9,11 @@ those rows cost whatever the code around them, beside what agentbus's own paths 
   the two events, the routing row of the call and its usage, in one transaction;
   the processes take the writers' turn agentbus's writers take (an ``flock`` on the
   database's ``-writer`` file, ``sqlite_engine.WriterTurns``), timed as
-  ``turns.TurnClock`` times ours: from the lock taken to after COMMIT.
+  ``turns.TurnClock`` times ours: from the lock taken to after COMMIT. With
+  ``between``, each process does that much other work after each turn (small,
+  distinct objects encoded as JSON: a stand-in for what a worker does between its
+  turns, reading the claimed row, admitting, calling and logging), so that the
+  turns show what such work costs them.
 
 Both use the statements agentbus compiles (``agentbus.prepared``) and the
 connection settings of agentbus's engine: WAL, the same ``synchronous``, foreign keys.
@@ -18,6 +22,7 @@ connection settings of agentbus's engine: WAL, the same ``synchronous``, foreign
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import sqlite3
 import time
@@ -89,10 +94,11 @@ def enqueue(queue: TaskQueue, spec: TaskSpec, single: int) -> float:
         conn.close()
 
 
-def steady(url: str, processes: int, tasks: int) -> tuple[float, float, str]:
+def steady(url: str, processes: int, tasks: int, between: int = 0) -> tuple[float, float, str]:
     """``processes`` processes drain ``tasks`` no-op tasks with the bare steady-state
-    write set: (tasks per second, the processes' CPU milliseconds per task, their
-    writers' turns as ``turns.figures`` shows them)."""
+    write set, each doing ``between`` units of other work after each turn (``_work``):
+    (tasks per second, the processes' CPU milliseconds per task, their writers' turns
+    as ``turns.figures`` shows them, and with ``between`` the work's mean time)."""
     db = Database(url)
     if db.sqlite_path() is None:
         raise ValueError(f"the bare write set is SQLite's: not {db.dialect}")
@@ -103,11 +109,24 @@ def steady(url: str, processes: int, tasks: int) -> tuple[float, float, str]:
     for start in range(0, tasks, 500):
         queue.enqueue_many([spec] * min(500, tasks - start))
     db.dispose()
-    results, elapsed = together(processes, _drain, lambda n: (url, path, level, agent))
+    results, elapsed = together(processes, _drain, lambda n: (url, path, level, agent, between))
     done, cpu = sum(r[0] for r in results), sum(r[1] for r in results)
     assert done == tasks, (done, tasks)
-    taken = [sum(r[i] for r in results) for i in (2, 3, 4)]
-    return tasks / elapsed, cpu / tasks * 1000, turns.figures(int(taken[0]), *taken[1:])
+    taken = [sum(r[i] for r in results) for i in (2, 3, 4, 5)]
+    held = turns.figures(int(taken[0]), *taken[1:3])
+    if between:
+        held += f"; {taken[3] / taken[0] * 1e3:.2f} ms of other work after each turn"
+    return tasks / elapsed, cpu / tasks * 1000, held
+
+
+#: ``_work``'s objects: made once per process, encoded again at every unit of work.
+_OBJECTS = [{"id": i, "name": f"task {i}", "models": [f"m{i}", f"n{i}"]} for i in range(4096)]
+
+
+def _work(units: int) -> None:
+    """``units`` small, distinct objects encoded as JSON (a few µs each)."""
+    for item in _OBJECTS[:units]:
+        json.dumps(item)
 
 
 def _positions(names: list[str], *wanted: str) -> list[int]:
@@ -115,11 +134,11 @@ def _positions(names: list[str], *wanted: str) -> list[int]:
 
 
 def _drain(
-    url: str, path: str, level: int, agent: str, ready: Event, go: Event
-) -> tuple[int, float, int, float, float]:
-    """One process: complete the last claim and claim the next until none is left;
-    (tasks completed, CPU seconds, turns taken, seconds they were held, seconds of
-    their COMMITs)."""
+    url: str, path: str, level: int, agent: str, between: int, ready: Event, go: Event
+) -> tuple[int, float, int, float, float, float]:
+    """One process: complete the last claim and claim the next until none is left,
+    ``between`` units of ``_work`` after each turn; (tasks completed, CPU seconds, turns
+    taken, seconds they were held, seconds of their COMMITs, seconds of the work)."""
     db = Database(url)
     worker, now = f"floor{os.getpid()}", time.time()
     complete, claim = (
@@ -169,7 +188,7 @@ def _drain(
     ready.set()
     go.wait()
     cpu, count, last = time.process_time(), 0, None
-    taken, held, committing, clock = 0, 0.0, 0.0, time.perf_counter
+    taken, held, committing, working, clock = 0, 0.0, 0.0, 0.0, time.perf_counter
     while True:
         fcntl.flock(turn, fcntl.LOCK_EX)
         began = clock()
@@ -195,6 +214,9 @@ def _drain(
         if task is None:
             break
         last = task
+        if between:
+            _work(between)
+            working += clock() - ended
     cpu = time.process_time() - cpu
     conn.close()
-    return count, cpu, taken, held, committing
+    return count, cpu, taken, held, committing, working

@@ -50,6 +50,7 @@ def test_the_bare_write_set_writes_what_the_steady_state_writes(db: Database) ->
     rate, cpu, held = floor.steady(url, 2, 12)  # two processes taking turns, as workers do
     assert rate > 0 and cpu > 0
     assert held.startswith("writers' turn ") and "COMMIT" in held
+    assert "other work" not in held
     with db.engine.connect() as conn:
         agent = conn.execute(
             sa.select(bus_commands.c.agent).where(bus_commands.c.agent.like("floor%")).distinct()
@@ -62,3 +63,24 @@ def test_the_bare_write_set_writes_what_the_steady_state_writes(db: Database) ->
     assert bare == ours
     assert ours["tasks"] == Counter({(TaskStatus.DONE, 1, "ok", "model=sim/noop"): 12})
     assert ours["calls"] == 12
+
+
+def test_other_work_between_turns_is_done_and_timed(db: Database) -> None:
+    """With ``between``, each process works after each of its turns; the tasks are all
+    settled as before and the work's time is shown beside the turns."""
+    floor = script("floor")
+    url = db.engine.url.render_as_string(hide_password=False)
+    if db.dialect != "sqlite":
+        with pytest.raises(ValueError, match="SQLite's"):
+            floor.steady(url, 2, 5, between=5)
+        return
+    _, _, held = floor.steady(url, 2, 8, between=5)
+    assert held.startswith("writers' turn ")
+    assert held.endswith(" ms of other work after each turn")
+    with db.engine.connect() as conn:
+        settled = conn.execute(
+            sa.select(sa.func.count())
+            .select_from(bus_commands)
+            .where(bus_commands.c.agent.like("floor%"), bus_commands.c.status == "done")
+        ).scalar()
+    assert settled == 8
