@@ -81,6 +81,8 @@ def test_other_work_between_turns_is_done_and_timed(db: Database) -> None:
         settled = conn.execute(
             sa.select(sa.func.count())
             .select_from(bus_commands)
-            .where(bus_commands.c.agent.like("floor%"), bus_commands.c.status == "done")
+            .where(
+                bus_commands.c.agent.like("floor%"), bus_commands.c.status == TaskStatus.DONE.value
+            )
         ).scalar()
     assert settled == 8

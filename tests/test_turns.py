@@ -11,6 +11,7 @@ from pathlib import Path
 from agentbus import sqlite_engine
 from agentbus.db import Database
 from agentbus.queue import TaskQueue
+from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
 from tests.support import clean_env, script
 
@@ -64,7 +65,7 @@ def test_the_worker_command_with_its_turns_timed_drains_and_writes_its_totals(
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert {queue.get(i).status for i in ids} == {"done"}
+    assert {queue.get(i).status for i in ids} == {TaskStatus.DONE}
     [written] = tmp_path.glob("*.json")
     record = json.loads(written.read_text())
     assert set(record) == set(turns.TOTALS)
