@@ -49,7 +49,10 @@ Workload (per backend):
   turns timed the same way: what those rows cost whatever the code around them
   (scripts/floor.py); over 2 processes once more with other work after each turn
   in place of a worker's (small objects encoded as JSON, its time shown): what
-  such work makes the turns cost. Once more with 2T
+  such work makes the turns cost. Then the same over 2 processes with the same
+  work, their turns committed by a third process (group commit: every request
+  waiting in one transaction, or waiting for both): what such a process would
+  buy (scripts/floor.py). Once more with 2T
   tasks of the agent queued a day ahead (the due ones must not wait on them).
 
 - machine: what this machine charges for a worker's two waits at batch 1, apart
@@ -334,6 +337,16 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
                     rate, cpu, held = floor.steady(url, procs, args.tasks, between)
                     figure = measure.joined(f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task", held)
                     rows.append((f"{alone} {what}", figure))
+                if procs > 1:  # what one process committing for both would buy
+                    for what, both in (("as they come", False), ("both at once", True)):
+                        rate, cpu, held = floor.one_committer(
+                            url, procs, args.tasks, BETWEEN, both=both
+                        )
+                        figure = measure.joined(
+                            f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task", held
+                        )
+                        label = f"{alone} and other work between turns, one committer"
+                        rows.append((f"{label}, {what} (sqlite3)", figure))
     ahead = 2 * args.tasks
     rate, cpu, _ = throughput(url, args.sqlite_synchronous, 1, 1, args.tasks, ahead)
     rows.append(

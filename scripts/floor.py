@@ -14,8 +14,13 @@ those rows cost whatever the code around them, beside what agentbus's own paths 
   distinct objects encoded as JSON: a stand-in for what a worker does between its
   turns, reading the claimed row, admitting, calling and logging), so that the
   turns show what such work costs them.
+- ``one_committer``: the same write set of several processes committed by one
+  more process, one commit for every request waiting (group commit): each
+  process sends its turn's rows over a Unix socket and waits for its claim, then
+  does its other work. agentbus has no such process; this measures what one
+  would buy.
 
-Both use the statements agentbus compiles (``agentbus.prepared``) and the
+All use the statements agentbus compiles (``agentbus.prepared``) and the
 connection settings of agentbus's engine: WAL, the same ``synchronous``, foreign keys.
 """
 
@@ -27,8 +32,9 @@ import os
 import sqlite3
 import time
 import uuid
+from multiprocessing.connection import Client, Listener, wait
 from multiprocessing.synchronize import Event
-from typing import Any
+from typing import Any, NamedTuple
 
 import counting
 import turns
@@ -99,6 +105,20 @@ def steady(url: str, processes: int, tasks: int, between: int = 0) -> tuple[floa
     write set, each doing ``between`` units of other work after each turn (``_work``):
     (tasks per second, the processes' CPU milliseconds per task, their writers' turns
     as ``turns.figures`` shows them, and with ``between`` the work's mean time)."""
+    path, level, agent = _prepare(url, tasks)
+    results, elapsed = together(processes, _drain, lambda n: (url, path, level, agent, between))
+    done, cpu = sum(r[0] for r in results), sum(r[1] for r in results)
+    assert done == tasks, (done, tasks)
+    taken = [sum(r[i] for r in results) for i in (2, 3, 4, 5)]
+    held = turns.figures(int(taken[0]), *taken[1:3])
+    if between:
+        held += f"; {taken[3] / taken[0] * 1e3:.2f} ms of other work after each turn"
+    return tasks / elapsed, cpu / tasks * 1000, held
+
+
+def _prepare(url: str, tasks: int) -> tuple[str, int, str]:
+    """``tasks`` no-op tasks queued for a new agent: (the database file, its
+    ``synchronous`` level, the agent)."""
     db = Database(url)
     if db.sqlite_path() is None:
         raise ValueError(f"the bare write set is SQLite's: not {db.dialect}")
@@ -109,14 +129,7 @@ def steady(url: str, processes: int, tasks: int, between: int = 0) -> tuple[floa
     for start in range(0, tasks, 500):
         queue.enqueue_many([spec] * min(500, tasks - start))
     db.dispose()
-    results, elapsed = together(processes, _drain, lambda n: (url, path, level, agent, between))
-    done, cpu = sum(r[0] for r in results), sum(r[1] for r in results)
-    assert done == tasks, (done, tasks)
-    taken = [sum(r[i] for r in results) for i in (2, 3, 4, 5)]
-    held = turns.figures(int(taken[0]), *taken[1:3])
-    if between:
-        held += f"; {taken[3] / taken[0] * 1e3:.2f} ms of other work after each turn"
-    return tasks / elapsed, cpu / tasks * 1000, held
+    return path, level, agent
 
 
 #: ``_work``'s objects: made once per process, encoded again at every unit of work.
@@ -133,31 +146,37 @@ def _positions(names: list[str], *wanted: str) -> list[int]:
     return [names.index(name) for name in wanted]
 
 
-def _drain(
-    url: str, path: str, level: int, agent: str, between: int, ready: Event, go: Event
-) -> tuple[int, float, int, float, float, float]:
-    """One process: complete the last claim and claim the next until none is left,
-    ``between`` units of ``_work`` after each turn; (tasks completed, CPU seconds, turns
-    taken, seconds they were held, seconds of their COMMITs, seconds of the work)."""
-    db = Database(url)
-    worker, now = f"floor{os.getpid()}", time.time()
-    complete, claim = (
-        db.prepared(SETTLE["complete"]),
-        db.prepared(claim_statement("sqlite", single=True)),
-    )
-    insert_event, insert_route = db.prepared(INSERT_EVENT), db.prepared(INSERT_ROUTE)
-    add_usage = db.prepared(usage.upsert("sqlite"))
-    db.dispose()
-    # The rows of one task (id 0, token 0) as agentbus makes them; each task's id and
-    # token go in their places.
-    route = counting.call_route(0, 0, agent, worker, now)
-    done = Settlement(0, 0, Complete("ok", "sim/noop"), [route])
-    completion = complete.params(
-        {"p_id": 0, "p_token": 0, "p_now": now, **settle_params(done.decision)[1]}
-    )
-    settled = insert_event.params(events.for_settlement(done, worker, now))
-    claimed = insert_event.params(
-        events.event(
+class _WriteSet(NamedTuple):
+    """One process's steady-state statements (their SQL) and the parameters of one
+    task's rows (id 0, token 0) as agentbus makes them, with the places each task's
+    id and token go."""
+
+    sql: dict[str, str]
+    completion: list[Any]
+    settled: list[Any]
+    claimed: list[Any]
+    routed: list[Any]
+    used: list[list[Any]]
+    claiming: list[Any]
+    at_complete: list[int]
+    at_event: list[int]
+    at_route: list[int]
+    at_claimed: list[int]
+
+    @classmethod
+    def make(cls, url: str, agent: str, worker: str) -> _WriteSet:
+        db = Database(url)
+        now = time.time()
+        complete, claim = (
+            db.prepared(SETTLE["complete"]),
+            db.prepared(claim_statement("sqlite", single=True)),
+        )
+        insert_event, insert_route = db.prepared(INSERT_EVENT), db.prepared(INSERT_ROUTE)
+        add_usage = db.prepared(usage.upsert("sqlite"))
+        db.dispose()
+        route = counting.call_route(0, 0, agent, worker, now)
+        done = Settlement(0, 0, Complete("ok", "sim/noop"), [route])
+        claim_event = events.event(
             0,
             TaskStatus.QUEUED.value,
             TaskStatus.CLAIMED.value,
@@ -166,22 +185,82 @@ def _drain(
             claim_token=0,
             reason="claim",
         )
-    )
-    routed = insert_route.params(route.row())
-    used = [add_usage.params(row) for row in usage.rows([route])]
-    claiming = claim.params(
-        {"p_agent": agent, "p_worker": worker, "p_now": now, "p_lease_until": now + 60}
-    )
-    at_complete = _positions(complete.names, "p_id", "p_token")
-    at_event = _positions(insert_event.names, "task_id", "claim_token")
-    at_route = _positions(insert_route.names, "task_id", "claim_token")
-    at_claimed = _positions(claim.columns, "id", "claim_token")
+        return cls(
+            sql={
+                "complete": complete.sql,
+                "claim": claim.sql,
+                "event": insert_event.sql,
+                "route": insert_route.sql,
+                "usage": add_usage.sql,
+            },
+            completion=complete.params(
+                {"p_id": 0, "p_token": 0, "p_now": now, **settle_params(done.decision)[1]}
+            ),
+            settled=insert_event.params(events.for_settlement(done, worker, now)),
+            claimed=insert_event.params(claim_event),
+            routed=insert_route.params(route.row()),
+            used=[add_usage.params(row) for row in usage.rows([route])],
+            claiming=claim.params(
+                {"p_agent": agent, "p_worker": worker, "p_now": now, "p_lease_until": now + 60}
+            ),
+            at_complete=_positions(complete.names, "p_id", "p_token"),
+            at_event=_positions(insert_event.names, "task_id", "claim_token"),
+            at_route=_positions(insert_route.names, "task_id", "claim_token"),
+            at_claimed=_positions(claim.columns, "id", "claim_token"),
+        )
 
-    def put(template: list[Any], places: list[int], task: tuple[int, int]) -> list[Any]:
-        out = list(template)
-        out[places[0]], out[places[1]] = task
+    def request(self, last: tuple[int, int] | None) -> dict[str, Any]:
+        """The rows of one turn: complete ``last`` (the task claimed the turn before,
+        when there is one) and claim the next; every parameter made."""
+        out: dict[str, Any] = {
+            "claiming": self.claiming,
+            "claimed": self.claimed,
+            "at_event": self.at_event,
+            "at_claimed": self.at_claimed,
+        }
+        if last is not None:
+            out["complete"] = _put(self.completion, self.at_complete, last)
+            out["settled"] = _put(self.settled, self.at_event, last)
+            out["route"] = _put(self.routed, self.at_route, last)
+            out["used"] = self.used
         return out
 
+
+def _put(template: list[Any], places: list[int], task: tuple[int, int]) -> list[Any]:
+    out = list(template)
+    out[places[0]], out[places[1]] = task
+    return out
+
+
+def _apply(
+    cursor: sqlite3.Cursor, sql: dict[str, str], request: dict[str, Any]
+) -> tuple[int, int] | None:
+    """One request's statements, in the transaction under way: the completion, the
+    claim, their events, the routing row and its usage; the task claimed (its id and
+    token), if any."""
+    moves = []
+    if "complete" in request:
+        cursor.execute(sql["complete"], request["complete"])
+        moves.append(request["settled"])
+    row = cursor.execute(sql["claim"], request["claiming"]).fetchone()
+    at_id, at_token = request["at_claimed"]
+    task = None if row is None else (row[at_id], row[at_token])
+    if task is not None:
+        moves.append(_put(request["claimed"], request["at_event"], task))
+    cursor.executemany(sql["event"], moves)
+    if "complete" in request:
+        cursor.execute(sql["route"], request["route"])
+        cursor.executemany(sql["usage"], request["used"])
+    return task
+
+
+def _drain(
+    url: str, path: str, level: int, agent: str, between: int, ready: Event, go: Event
+) -> tuple[int, float, int, float, float, float]:
+    """One process: complete the last claim and claim the next until none is left,
+    ``between`` units of ``_work`` after each turn; (tasks completed, CPU seconds, turns
+    taken, seconds they were held, seconds of their COMMITs, seconds of the work)."""
+    writes = _WriteSet.make(url, agent, f"floor{os.getpid()}")
     conn = _connect(path, level)
     cursor = conn.cursor()
     turn = os.open(f"{path}-writer", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -190,22 +269,12 @@ def _drain(
     cpu, count, last = time.process_time(), 0, None
     taken, held, committing, working, clock = 0, 0.0, 0.0, 0.0, time.perf_counter
     while True:
+        request = writes.request(last)
         fcntl.flock(turn, fcntl.LOCK_EX)
         began = clock()
         conn.execute("BEGIN IMMEDIATE")
-        moves = []
-        if last is not None:
-            cursor.execute(complete.sql, put(completion, at_complete, last))
-            moves.append(put(settled, at_event, last))
-        row = cursor.execute(claim.sql, claiming).fetchone()
-        task = None if row is None else (row[at_claimed[0]], row[at_claimed[1]])
-        if task is not None:
-            moves.append(put(claimed, at_event, task))
-        cursor.executemany(insert_event.sql, moves)
-        if last is not None:
-            cursor.execute(insert_route.sql, put(routed, at_route, last))
-            cursor.executemany(add_usage.sql, used)
-            count += 1
+        task = _apply(cursor, writes.sql, request)
+        count += last is not None
         commit = clock()
         conn.execute("COMMIT")
         ended = clock()
@@ -220,3 +289,133 @@ def _drain(
     cpu = time.process_time() - cpu
     conn.close()
     return count, cpu, taken, held, committing, working
+
+
+# -- one committer for several processes -------------------------------------------
+
+
+def one_committer(
+    url: str, requesters: int, tasks: int, between: int, *, both: bool = False
+) -> tuple[float, float, str]:
+    """The steady state of ``requesters`` processes committed by one more process: each
+    requester makes its turn's rows (as ``steady``'s processes do), sends them to the
+    committer over a Unix socket and waits for the task it claimed, then does
+    ``between`` units of other work; the committer runs the requests waiting for it in
+    one transaction, one commit for all of them (with ``both``, it waits until every
+    requester still draining has sent one). What committing for several workers in
+    one process would buy, measured without such a process in agentbus. Returns
+    (tasks per second, the processes' CPU milliseconds per task, the committer's turns
+    as ``turns.figures`` shows them with the requests a turn)."""
+    path, level, agent = _prepare(url, tasks)
+    address = os.path.join(os.path.dirname(path), f"floor-{uuid.uuid4().hex[:8]}.sock")
+    results, elapsed = together(
+        requesters + 1,
+        _one_committer_part,
+        lambda n: (n, requesters, url, path, level, agent, address, between, both),
+    )
+    done, cpu = sum(r[0] for r in results), sum(r[1] for r in results)
+    assert done == tasks, (done, tasks)
+    taken, served, held, committing = results[0][2:]
+    per_turn = served / taken
+    figures = turns.figures(int(taken), held, committing, per_turn)
+    return tasks / elapsed, cpu / tasks * 1000, f"{figures}; {per_turn:.2f} requests a turn"
+
+
+def _one_committer_part(
+    n: int,
+    requesters: int,
+    url: str,
+    path: str,
+    level: int,
+    agent: str,
+    address: str,
+    between: int,
+    both: bool,
+    ready: Event,
+    go: Event,
+) -> tuple[int, float, float, float, float, float]:
+    """Process ``n`` of ``one_committer``: the committer (0) or a requester;
+    (tasks completed, CPU seconds, and for the committer its turns, the requests it
+    served, the seconds its turns were held and the seconds of their COMMITs)."""
+    if n == 0:
+        return _commit_for(requesters, url, path, level, agent, address, both, ready, go)
+    writes = _WriteSet.make(url, agent, f"floor{os.getpid()}")
+    deadline = time.monotonic() + 120  # a committer that never came up: give up
+    while True:  # the committer listens once it is up
+        try:
+            channel = Client(address, family="AF_UNIX")
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    ready.set()
+    go.wait()
+    cpu, count, last = time.process_time(), 0, None
+    while True:
+        channel.send(writes.request(last))
+        count += last is not None
+        task = channel.recv()
+        if task is None:
+            break
+        last = task
+        if between:
+            _work(between)
+    channel.send(None)  # drained
+    channel.close()
+    return count, time.process_time() - cpu, 0, 0, 0.0, 0.0
+
+
+def _commit_for(
+    requesters: int,
+    url: str,
+    path: str,
+    level: int,
+    agent: str,
+    address: str,
+    both: bool,
+    ready: Event,
+    go: Event,
+) -> tuple[int, float, float, float, float, float]:
+    sql = _WriteSet.make(url, agent, f"floor{os.getpid()}").sql
+    conn = _connect(path, level)
+    cursor = conn.cursor()
+    turn = os.open(f"{path}-writer", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    with Listener(address, family="AF_UNIX") as listener:
+        ready.set()
+        channels = [listener.accept() for _ in range(requesters)]
+    go.wait()
+    cpu, clock = time.process_time(), time.perf_counter
+    taken, served, held, committing = 0, 0, 0.0, 0.0
+    live: list[Any] = list(channels)
+    while live:
+        waiting: list[tuple[Any, dict[str, Any]]] = []
+        ready_now = wait(live)
+        while True:
+            for channel in ready_now:
+                request = channel.recv()
+                if request is None:  # that requester has drained
+                    live.remove(channel)
+                    channel.close()
+                else:
+                    waiting.append((channel, request))
+            pending = [c for c in live if all(c is not w for w, _ in waiting)]
+            if not both or not pending:
+                break
+            ready_now = wait(pending)
+        if not waiting:
+            continue
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        began = clock()
+        conn.execute("BEGIN IMMEDIATE")
+        claimed = [_apply(cursor, sql, request) for _, request in waiting]
+        commit = clock()
+        conn.execute("COMMIT")
+        ended = clock()
+        fcntl.flock(turn, fcntl.LOCK_UN)
+        taken, served = taken + 1, served + len(waiting)
+        held, committing = held + ended - began, committing + ended - commit
+        for (channel, _), task in zip(waiting, claimed, strict=True):
+            channel.send(task)
+    conn.close()
+    return 0, time.process_time() - cpu, taken, served, held, committing

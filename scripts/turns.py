@@ -84,7 +84,7 @@ class TurnClock:
         return self.turns, self.held, self.committing
 
 
-def figures(turns: int, held: float, committing: float, per_turn: int = 1) -> str:
+def figures(turns: int, held: float, committing: float, per_turn: float = 1) -> str:
     """What the summed turns of one or more processes show: the mean turn, the COMMIT
     inside it and the bound it sets (``per_turn`` tasks a turn); empty without turns
     (PostgreSQL takes none)."""

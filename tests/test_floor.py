@@ -86,3 +86,28 @@ def test_other_work_between_turns_is_done_and_timed(db: Database) -> None:
             )
         ).scalar()
     assert settled == 8
+
+
+@pytest.mark.parametrize("both", [False, True], ids=["as-they-come", "both-at-once"])
+def test_one_committer_writes_what_the_steady_state_writes(db: Database, both: bool) -> None:
+    """Two processes whose turns one more process commits leave the rows a worker's
+    steady state leaves; waiting for both, every turn carries both requests."""
+    floor, counting = script("floor"), script("counting")
+    url = db.engine.url.render_as_string(hide_password=False)
+    if db.dialect != "sqlite":
+        with pytest.raises(ValueError, match="SQLite's"):
+            floor.one_committer(url, 2, 5, 0, both=both)
+        return
+    rate, cpu, held = floor.one_committer(url, 2, 12, 5, both=both)
+    assert rate > 0 and cpu > 0
+    assert held.startswith("writers' turn ") and held.endswith(" requests a turn")
+    if both:  # 6 turns claiming two tasks each, then one finding none for either
+        assert held.endswith("; 2.00 requests a turn")
+    with db.engine.connect() as conn:
+        agent = conn.execute(
+            sa.select(bus_commands.c.agent).where(bus_commands.c.agent.like("floor%")).distinct()
+        ).scalar_one()
+    queue = TaskQueue(db)
+    queue.enqueue_many([TaskSpec(agent="steady", command="t", models=("sim/noop",))] * 12)
+    assert counting.steady_loop(queue, "steady", "w", 1) == 12
+    assert written(db, agent) == written(db, "steady")
