@@ -308,11 +308,8 @@ def one_committer(
     as ``turns.figures`` shows them with the requests a turn)."""
     path, level, agent = _prepare(url, tasks)
     address = os.path.join(os.path.dirname(path), f"floor-{uuid.uuid4().hex[:8]}.sock")
-    results, elapsed = together(
-        requesters + 1,
-        _one_committer_part,
-        lambda n: (n, requesters, url, path, level, agent, address, between, both),
-    )
+    setup = _Committed(requesters, url, path, level, agent, address, between, both)
+    results, elapsed = together(requesters + 1, _one_committer_part, lambda n: (n, setup))
     done, cpu = sum(r[0] for r in results), sum(r[1] for r in results)
     assert done == tasks, (done, tasks)
     taken, served, held, committing = results[0][2:]
@@ -321,29 +318,32 @@ def one_committer(
     return tasks / elapsed, cpu / tasks * 1000, f"{figures}; {per_turn:.2f} requests a turn"
 
 
+class _Committed(NamedTuple):
+    """What every process of ``one_committer`` is given."""
+
+    requesters: int
+    url: str
+    path: str
+    level: int
+    agent: str
+    address: str  # the committer's Unix socket
+    between: int
+    both: bool
+
+
 def _one_committer_part(
-    n: int,
-    requesters: int,
-    url: str,
-    path: str,
-    level: int,
-    agent: str,
-    address: str,
-    between: int,
-    both: bool,
-    ready: Event,
-    go: Event,
+    n: int, setup: _Committed, ready: Event, go: Event
 ) -> tuple[int, float, float, float, float, float]:
     """Process ``n`` of ``one_committer``: the committer (0) or a requester;
     (tasks completed, CPU seconds, and for the committer its turns, the requests it
     served, the seconds its turns were held and the seconds of their COMMITs)."""
     if n == 0:
-        return _commit_for(requesters, url, path, level, agent, address, both, ready, go)
-    writes = _WriteSet.make(url, agent, f"floor{os.getpid()}")
+        return _commit_for(setup, ready, go)
+    writes = _WriteSet.make(setup.url, setup.agent, f"floor{os.getpid()}")
     deadline = time.monotonic() + 120  # a committer that never came up: give up
     while True:  # the committer listens once it is up
         try:
-            channel = Client(address, family="AF_UNIX")
+            channel = Client(setup.address, family="AF_UNIX")
             break
         except (FileNotFoundError, ConnectionRefusedError):
             if time.monotonic() > deadline:
@@ -359,31 +359,23 @@ def _one_committer_part(
         if task is None:
             break
         last = task
-        if between:
-            _work(between)
+        if setup.between:
+            _work(setup.between)
     channel.send(None)  # drained
     channel.close()
     return count, time.process_time() - cpu, 0, 0, 0.0, 0.0
 
 
 def _commit_for(
-    requesters: int,
-    url: str,
-    path: str,
-    level: int,
-    agent: str,
-    address: str,
-    both: bool,
-    ready: Event,
-    go: Event,
+    setup: _Committed, ready: Event, go: Event
 ) -> tuple[int, float, float, float, float, float]:
-    sql = _WriteSet.make(url, agent, f"floor{os.getpid()}").sql
-    conn = _connect(path, level)
+    sql = _WriteSet.make(setup.url, setup.agent, f"floor{os.getpid()}").sql
+    conn = _connect(setup.path, setup.level)
     cursor = conn.cursor()
-    turn = os.open(f"{path}-writer", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    with Listener(address, family="AF_UNIX") as listener:
+    turn = os.open(f"{setup.path}-writer", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    with Listener(setup.address, family="AF_UNIX") as listener:
         ready.set()
-        channels = [listener.accept() for _ in range(requesters)]
+        channels = [listener.accept() for _ in range(setup.requesters)]
     go.wait()
     cpu, clock = time.process_time(), time.perf_counter
     taken, served, held, committing = 0, 0, 0.0, 0.0
@@ -400,7 +392,7 @@ def _commit_for(
                 else:
                     waiting.append((channel, request))
             pending = [c for c in live if all(c is not w for w, _ in waiting)]
-            if not both or not pending:
+            if not setup.both or not pending:
                 break
             ready_now = wait(pending)
         if not waiting:
