@@ -26,20 +26,22 @@ connection settings of agentbus's engine: WAL, the same ``synchronous``, foreign
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import sqlite3
 import time
 import uuid
+from collections.abc import Callable
 from multiprocessing.connection import Client, Listener, wait
 from multiprocessing.synchronize import Event
-from typing import Any, NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
 
 import counting
 import turns
 from processes import together
 
+from agentbus import sqlite_engine
 from agentbus.admission import usage
 from agentbus.db import Database
 from agentbus.queue import TaskQueue, events
@@ -254,6 +256,47 @@ def _apply(
     return task
 
 
+T = TypeVar("T")
+
+
+class _Turns:
+    """One process's transactions on its bare connection, each in the writers' turn
+    agentbus's writers take (``sqlite_engine.WriterTurns``) and timed as
+    ``turns.TurnClock`` times theirs: from the turn taken to after COMMIT."""
+
+    def __init__(self, path: str, level: int) -> None:
+        self.conn = _connect(path, level)
+        self.cursor = self.conn.cursor()
+        self._writers = sqlite_engine.WriterTurns(Path(path))
+        self.taken, self.held, self.committing = 0, 0.0, 0.0
+
+    def run(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(cursor, *args)`` between a BEGIN IMMEDIATE and a COMMIT, in a turn of
+        its own."""
+        clock = time.perf_counter
+        with self._writers:
+            began = clock()
+            self.conn.execute("BEGIN IMMEDIATE")
+            result = work(self.cursor, *args)
+            commit = clock()
+            self.conn.execute("COMMIT")
+            ended = clock()
+        self.taken += 1
+        self.held += ended - began
+        self.committing += ended - commit
+        return result
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _apply_each(
+    cursor: sqlite3.Cursor, sql: dict[str, str], requests: list[dict[str, Any]]
+) -> list[tuple[int, int] | None]:
+    """Several requests' statements in one transaction: the task each claimed."""
+    return [_apply(cursor, sql, request) for request in requests]
+
+
 def _drain(
     url: str, path: str, level: int, agent: str, between: int, ready: Event, go: Event
 ) -> tuple[int, float, int, float, float, float]:
@@ -261,34 +304,24 @@ def _drain(
     ``between`` units of ``_work`` after each turn; (tasks completed, CPU seconds, turns
     taken, seconds they were held, seconds of their COMMITs, seconds of the work)."""
     writes = _WriteSet.make(url, agent, f"floor{os.getpid()}")
-    conn = _connect(path, level)
-    cursor = conn.cursor()
-    turn = os.open(f"{path}-writer", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    turned = _Turns(path, level)
     ready.set()
     go.wait()
-    cpu, count, last = time.process_time(), 0, None
-    taken, held, committing, working, clock = 0, 0.0, 0.0, 0.0, time.perf_counter
+    cpu, count, last, working = time.process_time(), 0, None, 0.0
     while True:
         request = writes.request(last)
-        fcntl.flock(turn, fcntl.LOCK_EX)
-        began = clock()
-        conn.execute("BEGIN IMMEDIATE")
-        task = _apply(cursor, writes.sql, request)
+        task = turned.run(_apply, writes.sql, request)
         count += last is not None
-        commit = clock()
-        conn.execute("COMMIT")
-        ended = clock()
-        fcntl.flock(turn, fcntl.LOCK_UN)
-        taken, held, committing = taken + 1, held + ended - began, committing + ended - commit
         if task is None:
             break
         last = task
         if between:
+            began = time.perf_counter()
             _work(between)
-            working += clock() - ended
+            working += time.perf_counter() - began
     cpu = time.process_time() - cpu
-    conn.close()
-    return count, cpu, taken, held, committing, working
+    turned.close()
+    return count, cpu, turned.taken, turned.held, turned.committing, working
 
 
 # -- one committer for several processes -------------------------------------------
@@ -370,15 +403,12 @@ def _commit_for(
     setup: _Committed, ready: Event, go: Event
 ) -> tuple[int, float, float, float, float, float]:
     sql = _WriteSet.make(setup.url, setup.agent, f"floor{os.getpid()}").sql
-    conn = _connect(setup.path, setup.level)
-    cursor = conn.cursor()
-    turn = os.open(f"{setup.path}-writer", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    turned = _Turns(setup.path, setup.level)
     with Listener(setup.address, family="AF_UNIX") as listener:
         ready.set()
         channels = [listener.accept() for _ in range(setup.requesters)]
     go.wait()
-    cpu, clock = time.process_time(), time.perf_counter
-    taken, served, held, committing = 0, 0, 0.0, 0.0
+    cpu, served = time.process_time(), 0
     live: list[Any] = list(channels)
     while live:
         waiting: list[tuple[Any, dict[str, Any]]] = []
@@ -397,17 +427,9 @@ def _commit_for(
             ready_now = wait(pending)
         if not waiting:
             continue
-        fcntl.flock(turn, fcntl.LOCK_EX)
-        began = clock()
-        conn.execute("BEGIN IMMEDIATE")
-        claimed = [_apply(cursor, sql, request) for _, request in waiting]
-        commit = clock()
-        conn.execute("COMMIT")
-        ended = clock()
-        fcntl.flock(turn, fcntl.LOCK_UN)
-        taken, served = taken + 1, served + len(waiting)
-        held, committing = held + ended - began, committing + ended - commit
+        claimed = turned.run(_apply_each, sql, [request for _, request in waiting])
+        served += len(waiting)
         for (channel, _), task in zip(waiting, claimed, strict=True):
             channel.send(task)
-    conn.close()
-    return 0, time.process_time() - cpu, taken, served, held, committing
+    turned.close()
+    return 0, time.process_time() - cpu, turned.taken, served, turned.held, turned.committing
