@@ -49,7 +49,10 @@ Workload (per backend):
   turns timed the same way: what those rows cost whatever the code around them
   (scripts/floor.py); over 2 processes once more with other work after each turn
   in place of a worker's (small objects encoded as JSON, its time shown): what
-  such work makes the turns cost. Then the same over 2 processes with the same
+  such work makes the turns cost; and once more with that work and only the two
+  updates of the task state machine, without the events, routing row and usage that
+  agentbus records: what a queue keeping no history would write, so what the records
+  cost. Then the same over 2 processes with the same
   work, their turns committed by a third process (group commit: every request
   waiting in one transaction, or waiting for both): what such a process would
   buy (scripts/floor.py). Once more with 2T
@@ -329,14 +332,18 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
                 )
             )
             if batch == 1 and procs <= 2 and url.startswith("sqlite"):
-                alone = f"claim+complete, {procs} proc, batch 1, its statements alone"
-                runs = [("(sqlite3)", 0)]
+                at = f"claim+complete, {procs} proc, batch 1,"
+                alone = f"{at} its statements alone"
+                runs = [(f"{alone} (sqlite3)", 0, True)]
                 if procs > 1:
-                    runs.append(("and other work between turns (sqlite3)", BETWEEN))
-                for what, between in runs:
-                    rate, cpu, held = floor.steady(url, procs, args.tasks, between)
+                    work = "and other work between turns (sqlite3)"
+                    runs.append((f"{alone} {work}", BETWEEN, True))
+                    # the state machine's own writes: no events, routing row or usage
+                    runs.append((f"{at} its two updates alone {work}", BETWEEN, False))
+                for label, between, records in runs:
+                    rate, cpu, held = floor.steady(url, procs, args.tasks, between, records=records)
                     figure = measure.joined(f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task", held)
-                    rows.append((f"{alone} {what}", figure))
+                    rows.append((label, figure))
                 if procs > 1:  # what one process committing for both would buy
                     for what, both in (("as they come", False), ("both at once", True)):
                         rate, cpu, held = floor.one_committer(

@@ -13,7 +13,10 @@ those rows cost whatever the code around them, beside what agentbus's own paths 
   ``between``, each process does that much other work after each turn (small,
   distinct objects encoded as JSON: a stand-in for what a worker does between its
   turns, reading the claimed row, admitting, calling and logging), so that the
-  turns show what such work costs them.
+  turns show what such work costs them. Without ``records``, only the two guarded
+  updates of the task state machine run (no events, routing row or usage): what a
+  queue that keeps no history of its tasks would write, and so what agentbus's
+  records cost.
 - ``one_committer``: the same write set of several processes committed by one
   more process, one commit for every request waiting (group commit): each
   process sends its turn's rows over a Unix socket and waits for its claim, then
@@ -102,13 +105,17 @@ def enqueue(queue: TaskQueue, spec: TaskSpec, single: int) -> float:
         conn.close()
 
 
-def steady(url: str, processes: int, tasks: int, between: int = 0) -> tuple[float, float, str]:
+def steady(
+    url: str, processes: int, tasks: int, between: int = 0, *, records: bool = True
+) -> tuple[float, float, str]:
     """``processes`` processes drain ``tasks`` no-op tasks with the bare steady-state
-    write set, each doing ``between`` units of other work after each turn (``_work``):
-    (tasks per second, the processes' CPU milliseconds per task, their writers' turns
-    as ``turns.figures`` shows them, and with ``between`` the work's mean time)."""
+    write set (without ``records``, its two updates alone), each doing ``between``
+    units of other work after each turn (``_work``): (tasks per second, the processes'
+    CPU milliseconds per task, their writers' turns as ``turns.figures`` shows them,
+    and with ``between`` the work's mean time)."""
     path, level, agent = _prepare(url, tasks)
-    results, elapsed = together(processes, _drain, lambda n: (url, path, level, agent, between))
+    setup = (url, path, level, agent, between, records)
+    results, elapsed = together(processes, _drain, lambda n: setup)
     done, cpu = sum(r[0] for r in results), sum(r[1] for r in results)
     assert done == tasks, (done, tasks)
     taken = [sum(r[i] for r in results) for i in (2, 3, 4, 5)]
@@ -211,10 +218,12 @@ class _WriteSet(NamedTuple):
             at_claimed=_positions(claim.columns, "id", "claim_token"),
         )
 
-    def request(self, last: tuple[int, int] | None) -> dict[str, Any]:
+    def request(self, last: tuple[int, int] | None, records: bool = True) -> dict[str, Any]:
         """The rows of one turn: complete ``last`` (the task claimed the turn before,
-        when there is one) and claim the next; every parameter made."""
+        when there is one) and claim the next, with their records (events, routing row,
+        usage) or without; every parameter made."""
         out: dict[str, Any] = {
+            "records": records,
             "claiming": self.claiming,
             "claimed": self.claimed,
             "at_event": self.at_event,
@@ -238,8 +247,8 @@ def _apply(
     cursor: sqlite3.Cursor, sql: dict[str, str], request: dict[str, Any]
 ) -> tuple[int, int] | None:
     """One request's statements, in the transaction under way: the completion, the
-    claim, their events, the routing row and its usage; the task claimed (its id and
-    token), if any."""
+    claim and, with the request's records, their events, the routing row and its
+    usage; the task claimed (its id and token), if any."""
     moves = []
     if "complete" in request:
         cursor.execute(sql["complete"], request["complete"])
@@ -247,6 +256,8 @@ def _apply(
     row = cursor.execute(sql["claim"], request["claiming"]).fetchone()
     at_id, at_token = request["at_claimed"]
     task = None if row is None else (row[at_id], row[at_token])
+    if not request["records"]:
+        return task
     if task is not None:
         moves.append(_put(request["claimed"], request["at_event"], task))
     cursor.executemany(sql["event"], moves)
@@ -298,18 +309,26 @@ def _apply_each(
 
 
 def _drain(
-    url: str, path: str, level: int, agent: str, between: int, ready: Event, go: Event
+    url: str,
+    path: str,
+    level: int,
+    agent: str,
+    between: int,
+    records: bool,
+    ready: Event,
+    go: Event,
 ) -> tuple[int, float, int, float, float, float]:
-    """One process: complete the last claim and claim the next until none is left,
-    ``between`` units of ``_work`` after each turn; (tasks completed, CPU seconds, turns
-    taken, seconds they were held, seconds of their COMMITs, seconds of the work)."""
+    """One process: complete the last claim and claim the next until none is left, with
+    their records or without, ``between`` units of ``_work`` after each turn; (tasks
+    completed, CPU seconds, turns taken, seconds they were held, seconds of their
+    COMMITs, seconds of the work)."""
     writes = _WriteSet.make(url, agent, f"floor{os.getpid()}")
     turned = _Turns(path, level)
     ready.set()
     go.wait()
     cpu, count, last, working = time.process_time(), 0, None, 0.0
     while True:
-        request = writes.request(last)
+        request = writes.request(last, records)
         task = turned.run(_apply, writes.sql, request)
         count += last is not None
         if task is None:

@@ -88,6 +88,34 @@ def test_other_work_between_turns_is_done_and_timed(db: Database) -> None:
     assert settled == 8
 
 
+def test_the_two_updates_alone_settle_every_task_and_record_nothing(db: Database) -> None:
+    """Without records, the processes complete and claim as before (the tasks end as
+    the steady state leaves them) but write no event, routing row or usage: only the
+    enqueue's events are there."""
+    floor, counting = script("floor"), script("counting")
+    url = db.engine.url.render_as_string(hide_password=False)
+    if db.dialect != "sqlite":
+        with pytest.raises(ValueError, match="SQLite's"):
+            floor.steady(url, 2, 5, between=5, records=False)
+        return
+    _, _, held = floor.steady(url, 2, 8, between=5, records=False)
+    assert held.startswith("writers' turn ")
+    with db.engine.connect() as conn:
+        agent = conn.execute(
+            sa.select(bus_commands.c.agent).where(bus_commands.c.agent.like("floor%")).distinct()
+        ).scalar_one()
+    queue = TaskQueue(db)
+    queue.enqueue_many([TaskSpec(agent="steady", command="t", models=("sim/noop",))] * 8)
+    assert counting.steady_loop(queue, "steady", "w", 1) == 8
+    bare, ours = written(db, agent), written(db, "steady")
+    assert (
+        bare["tasks"] == ours["tasks"] == Counter({(TaskStatus.DONE, 1, "ok", "model=sim/noop"): 8})
+    )
+    assert bare["events"] == Counter({(None, TaskStatus.QUEUED, "enqueue", True): 8})
+    assert bare["routes"] == Counter() and bare["calls"] is None
+    assert ours["calls"] == 8
+
+
 @pytest.mark.parametrize("both", [False, True], ids=["as-they-come", "both-at-once"])
 def test_one_committer_writes_what_the_steady_state_writes(db: Database, both: bool) -> None:
     """Two processes whose turns one more process commits leave the rows a worker's
