@@ -40,8 +40,28 @@ def written(db: Database, agent: str) -> dict[str, Any]:
     return {"tasks": tasks, "events": moves, "routes": routes, "calls": calls}
 
 
+def floor_agent(db: Database) -> str:
+    """The agent whose tasks floor's processes drained (one per test's database)."""
+    with db.engine.connect() as conn:
+        return str(
+            conn.execute(
+                sa.select(bus_commands.c.agent)
+                .where(bus_commands.c.agent.like("floor%"))
+                .distinct()
+            ).scalar_one()
+        )
+
+
+def steady_written(db: Database, tasks: int) -> dict[str, Any]:
+    """What a worker's steady state leaves for ``tasks`` no-op tasks of a new agent."""
+    queue = TaskQueue(db)
+    queue.enqueue_many([TaskSpec(agent="steady", command="t", models=("sim/noop",))] * tasks)
+    assert script("counting").steady_loop(queue, "steady", "w", 1) == tasks
+    return written(db, "steady")
+
+
 def test_the_bare_write_set_writes_what_the_steady_state_writes(db: Database) -> None:
-    floor, counting = script("floor"), script("counting")
+    floor = script("floor")
     url = db.engine.url.render_as_string(hide_password=False)
     if db.dialect != "sqlite":
         with pytest.raises(ValueError, match="SQLite's"):
@@ -51,15 +71,7 @@ def test_the_bare_write_set_writes_what_the_steady_state_writes(db: Database) ->
     assert rate > 0 and cpu > 0
     assert held.startswith("writers' turn ") and "COMMIT" in held
     assert "other work" not in held
-    with db.engine.connect() as conn:
-        agent = conn.execute(
-            sa.select(bus_commands.c.agent).where(bus_commands.c.agent.like("floor%")).distinct()
-        ).scalar_one_or_none()
-    assert agent is not None
-    queue = TaskQueue(db)
-    queue.enqueue_many([TaskSpec(agent="steady", command="t", models=("sim/noop",))] * 12)
-    assert counting.steady_loop(queue, "steady", "w", 1) == 12
-    ours, bare = written(db, "steady"), written(db, agent)
+    ours, bare = steady_written(db, 12), written(db, floor_agent(db))
     assert bare == ours
     assert ours["tasks"] == Counter({(TaskStatus.DONE, 1, "ok", "model=sim/noop"): 12})
     assert ours["calls"] == 12
@@ -92,7 +104,7 @@ def test_the_two_updates_alone_settle_every_task_and_record_nothing(db: Database
     """Without records, the processes complete and claim as before (the tasks end as
     the steady state leaves them) but write no event, routing row or usage: only the
     enqueue's events are there."""
-    floor, counting = script("floor"), script("counting")
+    floor = script("floor")
     url = db.engine.url.render_as_string(hide_password=False)
     if db.dialect != "sqlite":
         with pytest.raises(ValueError, match="SQLite's"):
@@ -100,14 +112,7 @@ def test_the_two_updates_alone_settle_every_task_and_record_nothing(db: Database
         return
     _, _, held = floor.steady(url, 2, 8, between=5, records=False)
     assert held.startswith("writers' turn ")
-    with db.engine.connect() as conn:
-        agent = conn.execute(
-            sa.select(bus_commands.c.agent).where(bus_commands.c.agent.like("floor%")).distinct()
-        ).scalar_one()
-    queue = TaskQueue(db)
-    queue.enqueue_many([TaskSpec(agent="steady", command="t", models=("sim/noop",))] * 8)
-    assert counting.steady_loop(queue, "steady", "w", 1) == 8
-    bare, ours = written(db, agent), written(db, "steady")
+    bare, ours = written(db, floor_agent(db)), steady_written(db, 8)
     assert (
         bare["tasks"] == ours["tasks"] == Counter({(TaskStatus.DONE, 1, "ok", "model=sim/noop"): 8})
     )
@@ -120,7 +125,7 @@ def test_the_two_updates_alone_settle_every_task_and_record_nothing(db: Database
 def test_one_committer_writes_what_the_steady_state_writes(db: Database, both: bool) -> None:
     """Two processes whose turns one more process commits leave the rows a worker's
     steady state leaves; waiting for both, every turn carries both requests."""
-    floor, counting = script("floor"), script("counting")
+    floor = script("floor")
     url = db.engine.url.render_as_string(hide_password=False)
     if db.dialect != "sqlite":
         with pytest.raises(ValueError, match="SQLite's"):
@@ -131,11 +136,4 @@ def test_one_committer_writes_what_the_steady_state_writes(db: Database, both: b
     assert held.startswith("writers' turn ") and held.endswith(" requests a turn")
     if both:  # 6 turns claiming two tasks each, then one finding none for either
         assert held.endswith("; 2.00 requests a turn")
-    with db.engine.connect() as conn:
-        agent = conn.execute(
-            sa.select(bus_commands.c.agent).where(bus_commands.c.agent.like("floor%")).distinct()
-        ).scalar_one()
-    queue = TaskQueue(db)
-    queue.enqueue_many([TaskSpec(agent="steady", command="t", models=("sim/noop",))] * 12)
-    assert counting.steady_loop(queue, "steady", "w", 1) == 12
-    assert written(db, agent) == written(db, "steady")
+    assert written(db, floor_agent(db)) == steady_written(db, 12)
