@@ -3,7 +3,7 @@ Python between their statements (every parameter made ahead): the rate and the C
 those rows cost whatever the code around them, beside what agentbus's own paths cost.
 
 - ``enqueue``: one enqueue's task row and event in one ``BEGIN IMMEDIATE``
-  transaction.
+  transaction, in the writers' turn agentbus's writers take (below).
 - ``steady``: a worker's steady state at batch 1, as ``TaskQueue.settle_and_claim``
   writes it (``agentbus.queue.steady``): complete the last claim, claim the next,
   the two events, the routing row of the call and its usage, in one transaction;
@@ -88,21 +88,19 @@ def enqueue(queue: TaskQueue, spec: TaskSpec, single: int) -> float:
     _task_id, *rest = event.params(
         events.event(0, None, TaskStatus.QUEUED.value, now, reason="enqueue")
     )
-    conn = _connect(str(path), _synchronous(db))
+    turned = _Turns(str(path), _synchronous(db))  # the writers' turn agentbus's take
     try:
 
-        def one() -> None:
-            conn.execute("BEGIN IMMEDIATE")
-            task_id = conn.execute(insert.sql, task).lastrowid
-            conn.execute(event.sql, [task_id, *rest])  # the task's id comes first
-            conn.execute("COMMIT")
+        def one(cursor: sqlite3.Cursor) -> None:
+            task_id = cursor.execute(insert.sql, task).lastrowid
+            cursor.execute(event.sql, [task_id, *rest])  # the task's id comes first
 
         began = time.perf_counter()
         for _ in range(single):
-            one()
+            turned.run(one)
         return single / (time.perf_counter() - began)
     finally:
-        conn.close()
+        turned.close()
 
 
 def steady(
@@ -249,21 +247,20 @@ def _apply(
     """One request's statements, in the transaction under way: the completion, the
     claim and, with the request's records, their events, the routing row and its
     usage; the task claimed (its id and token), if any."""
-    moves = []
-    if "complete" in request:
+    done = "complete" in request
+    if done:
         cursor.execute(sql["complete"], request["complete"])
-        moves.append(request["settled"])
     row = cursor.execute(sql["claim"], request["claiming"]).fetchone()
     at_id, at_token = request["at_claimed"]
     task = None if row is None else (row[at_id], row[at_token])
-    if not request["records"]:
-        return task
-    if task is not None:
-        moves.append(_put(request["claimed"], request["at_event"], task))
-    cursor.executemany(sql["event"], moves)
-    if "complete" in request:
-        cursor.execute(sql["route"], request["route"])
-        cursor.executemany(sql["usage"], request["used"])
+    if request["records"]:
+        moves = [request["settled"]] if done else []
+        if task is not None:
+            moves.append(_put(request["claimed"], request["at_event"], task))
+        cursor.executemany(sql["event"], moves)
+        if done:
+            cursor.execute(sql["route"], request["route"])
+            cursor.executemany(sql["usage"], request["used"])
     return task
 
 
