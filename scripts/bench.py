@@ -166,23 +166,28 @@ def timed(fn: Callable[[], object]) -> float:
 
 def drain(
     url: str, synchronous: str, agent: str, batch: int, ready: Event, go: Event
-) -> tuple[int, float, tuple[int, float, float], tuple[float, float]]:
+) -> tuple[
+    int, float, tuple[int, float, float], tuple[float, float], tuple[measure.Spent, measure.Spent]
+]:
     """Claim and complete until the queue is empty, each completion with the routing row
     of its call (a worker's write set); returns (tasks completed, CPU seconds spent,
     the writers' turns taken on SQLite: ``TurnClock.totals``, the machine's busy CPU
-    seconds at the start and at the end: ``measure.machine_busy``)."""
+    seconds at the start and at the end: ``measure.machine_busy``, and the PostgreSQL
+    server's processes' at the start and at the end, its connection still open:
+    ``measure.server_cpu``)."""
     db = Database(url, sqlite_synchronous=synchronous)
     queue = TaskQueue(db)
     queue.claim("nobody", "warmup", 1)  # connect and compile before the clock starts
     ready.set()
     go.wait()
-    busy, cpu = measure.machine_busy(), time.process_time()
+    busy, server, cpu = measure.machine_busy(), measure.server_cpu(), time.process_time()
     with turns.TurnClock() as clock:
         done = counting.steady_loop(queue, agent, f"w{os.getpid()}", batch)
     cpu = time.process_time() - cpu
-    busy = (busy, measure.machine_busy())
+    machine_spent = (busy, measure.machine_busy())
+    server_spent = (server, measure.server_cpu())  # read before its connection closes
     db.dispose()
-    return done, cpu, clock.totals(), busy
+    return done, cpu, clock.totals(), machine_spent, server_spent
 
 
 def throughput(
@@ -191,7 +196,8 @@ def throughput(
     """Tasks per second, the processes' CPU milliseconds per task (theirs alone: on
     PostgreSQL the server's is not counted, as in the workers' figures) and what bounds
     the rate: the whole machine's busy CPU per task (the processes, the database
-    server, the kernel's work for them) against its cores and, on SQLite, their
+    server, the kernel's work for them; on PostgreSQL with the server's processes'
+    share of it, when they run here) against its cores and, on SQLite, their
     writers' turns (``turns.figures``); with ``ahead`` tasks of the agent queued a day
     ahead first (they stay queued)."""
     db = Database(url, sqlite_synchronous=synchronous)
@@ -208,8 +214,12 @@ def throughput(
     assert done == tasks, (done, tasks)
     taken = [sum(r[2][i] for r in results) for i in range(3)]
     busy = max(r[3][1] for r in results) - min(r[3][0] for r in results)
+    server = measure.server_spent_over([r[4] for r in results]) if db.dialect != "sqlite" else None
     bounds = measure.joined(
-        measure.machine_bound(busy, tasks), turns.figures(int(taken[0]), *taken[1:], batch)
+        measure.machine_bound(
+            busy / tasks * 1000, None if server is None else server / tasks * 1000
+        ),
+        turns.figures(int(taken[0]), *taken[1:], batch),
     )
     return tasks / elapsed, cpu / tasks * 1000, bounds
 

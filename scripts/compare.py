@@ -10,7 +10,9 @@ B, C again …; the medians are printed):
 - machine CPU per task: what the whole machine spent busy meanwhile (every
   core's user, system and interrupt time from /proc/stat), over T: the
   consumers, the database server's work for them, and anything else running,
-  so a queue that moves work into the server is charged for it.
+  so a queue that moves work into the server is charged for it; on PostgreSQL
+  with the server's processes' share of it in brackets (their CPU from
+  /proc, when the server runs on this machine).
 - RSS: the peak resident memory of one consumer process, sampled every 50 ms.
 - single enqueue: N enqueues, one call (one transaction) each.
 - batch enqueue: T tasks enqueued 500 per call, where the queue has such a call.
@@ -419,7 +421,7 @@ def side_by_side(
                     peer.label,
                     f"{f.drain:,.0f}",
                     f"{f.cpu_ms:.2f}",
-                    f"{f.machine_ms:.2f}" if f.machine_ms is not None else "n/a",
+                    _machine(f, backend),
                     f"{f.rss_mib:.1f}",
                     f"{f.single:,.0f}" if f.single is not None else "n/a",
                     f"{f.batch:,.0f}" if f.batch is not None else "n/a",
@@ -429,12 +431,21 @@ def side_by_side(
     return rows
 
 
+def _machine(f: Figures, backend: str) -> str:
+    """The machine's CPU per task and, on PostgreSQL, the server's share of it."""
+    if f.machine_ms is None:
+        return "n/a"
+    if backend != "postgresql" or f.server_ms is None:
+        return f"{f.machine_ms:.2f}"
+    return f"{f.machine_ms:.2f} ({f.server_ms:.2f})"
+
+
 HEADERS = [
     "backend",
     "queue (2 consumer processes, no-op tasks)",
     "drain tasks/s",
     "CPU ms/task",
-    "machine CPU ms/task",
+    "machine CPU ms/task (server's)",
     "RSS MiB",
     "enqueue 1/call /s",
     "enqueue 500/call /s",
@@ -454,4 +465,5 @@ def median(figures: list[Figures]) -> Figures:
         mid([f.single for f in figures]),
         mid([f.batch for f in figures]),
         mid([f.machine_ms for f in figures]),
+        mid([f.server_ms for f in figures]),
     )

@@ -11,7 +11,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +34,8 @@ class Figures:
     # The whole machine's busy CPU per task while draining (/proc/stat): the consumers,
     # the database server and anything else running.
     machine_ms: float | None = None
+    # Of it, the PostgreSQL server's processes' (``server_cpu``), when they run here.
+    server_ms: float | None = None
 
 
 def installed(*modules: str) -> bool:
@@ -151,7 +153,7 @@ def consume(
     """Start ``procs`` consumers; time them until they exit (or until ``drained()``,
     then stop them), with their CPU and one process's peak RSS."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    busy_before = machine_busy()
+    busy_before, server = machine_busy(), ServerWatch()
     began = time.perf_counter()
     children = [
         subprocess.Popen(
@@ -165,6 +167,7 @@ def consume(
             for child in children:
                 for pid in (child.pid, *_descendants(child.pid)):
                     peak_kib = max(peak_kib, rss_kib(pid))
+            server.poll()
             if drained is None and all(c.poll() is not None for c in children):
                 break
             if drained is not None and drained():
@@ -184,7 +187,11 @@ def consume(
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return Figures(
-        tasks / seconds, cpu / tasks * 1000, peak_kib / 1024, machine_ms=busy / tasks * 1000
+        tasks / seconds,
+        cpu / tasks * 1000,
+        peak_kib / 1024,
+        machine_ms=busy / tasks * 1000,
+        server_ms=server.per_task_ms(tasks),
     )
 
 
@@ -196,20 +203,91 @@ def machine_busy() -> float:
     return user + nice + system + irq + softirq
 
 
+#: CPU seconds spent by each of a server's processes, by pid (``server_cpu``).
+Spent = dict[int, float]
+
+
+def server_cpu(pids: Iterable[int] | None = None) -> Spent:
+    """CPU seconds (user + system) each process of a PostgreSQL server on this machine
+    has spent, by pid: its backends, WAL writer, checkpointer, autovacuum (empty where
+    none runs here, say a server on another host); with ``pids``, of those alone."""
+    tick = os.sysconf("SC_CLK_TCK")
+    spent: Spent = {}
+    for pid in pids if pids is not None else (int(e) for e in os.listdir("/proc") if e.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                stat = fh.read()
+        except OSError:  # gone meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :]
+        if name == "postgres":
+            fields = rest.split()
+            spent[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return spent
+
+
+class ServerWatch:
+    """A local PostgreSQL server's CPU while processes run that connect to it and exit
+    (their backends exit with them): read at each ``poll``, each server process's
+    latest reading is kept. A whole look through /proc (~1 ms) finds new processes
+    every tenth poll; the polls between read the processes known."""
+
+    def __init__(self) -> None:
+        self.first = server_cpu()
+        self.latest = dict(self.first)
+        self._polls = 0
+
+    def poll(self) -> None:
+        self._polls += 1
+        self.latest.update(server_cpu(None if self._polls % 10 == 1 else list(self.latest)))
+
+    def per_task_ms(self, tasks: int) -> float | None:
+        spent = server_spent(self.first, self.latest)
+        return None if spent is None else spent / tasks * 1000
+
+
+def server_spent(before: Spent, after: Spent) -> float | None:
+    """The server's CPU seconds between two ``server_cpu`` readings: a process that
+    started meanwhile counts whole, one that ended meanwhile not at all (a backend
+    lives as long as its connection: read while the connections are open). None
+    when no server process was seen."""
+    if not after:
+        return None
+    return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+
+
+def server_spent_over(readings: Iterable[tuple[Spent, Spent]]) -> float | None:
+    """The server's CPU seconds over several processes' (start, end) readings of
+    ``server_cpu``: each server process from its earliest reading at a start to its
+    latest at an end (a process reads while its own connection is open: its backend
+    is in both of its readings, whatever the others have closed by then)."""
+    starts: Spent = {}
+    ends: Spent = {}
+    for start, end in readings:
+        for pid, seconds in start.items():
+            starts[pid] = min(seconds, starts.get(pid, seconds))
+        for pid, seconds in end.items():
+            ends[pid] = max(seconds, ends.get(pid, seconds))
+    return server_spent(starts, ends)
+
+
 def joined(*parts: str) -> str:
     """A table cell of several figures, the empty ones left out."""
     return "; ".join(part for part in parts if part)
 
 
-def machine_bound(busy: float, tasks: int) -> str:
-    """The machine's busy CPU per task (``busy`` seconds of ``machine_busy`` over
-    ``tasks``) and the most tasks per second its cores allow at that cost."""
-    if busy <= 0:  # shorter than the kernel's accounting tick
+def machine_bound(per_task: float | None, server: float | None = None) -> str:
+    """The machine's busy CPU milliseconds per task (``per_task``: from ``machine_busy``;
+    with ``server``, the database server's of it) and the most tasks per second its
+    cores allow at that cost."""
+    if not per_task:  # a run shorter than the kernel's accounting tick
         return ""
     cores = os.cpu_count() or 1
-    per_task = busy / tasks * 1000
     at_most = cores * 1000 / per_task
-    return f"machine CPU {per_task:.2f} ms per task: at most {at_most:,.0f}/s on {cores} cores"
+    of_it = f" (the server's {server:.2f})" if server is not None else ""
+    return (
+        f"machine CPU {per_task:.2f} ms per task{of_it}: at most {at_most:,.0f}/s on {cores} cores"
+    )
 
 
 class Stolen:

@@ -64,7 +64,8 @@ def _drain(
 def bench_workers(url: str, synchronous: str, tasks: int) -> list[tuple[str, str]]:
     """Real worker processes over no-op simulated tasks: one worker, then two, one task at
     a time; two in batches of 10. Their CPU per task with their start-up, and without
-    it (what a worker that finds nothing to do spends, taken off once per process)."""
+    it (what a worker that finds nothing to do spends, taken off once per process), and
+    the whole machine's (``measure.machine_bound``)."""
     started = worker_drain(url, synchronous, 1, 0, 1).cpu_ms  # per process, in ms
     sqlite = url.startswith("sqlite")
     rows, peak = [], 0.0
@@ -73,13 +74,12 @@ def bench_workers(url: str, synchronous: str, tasks: int) -> list[tuple[str, str
         peak = max(peak, run.rss_mib)
         alone = run.cpu_ms - processes * started / tasks
         label = f"worker processes, {processes} x drain {tasks:,} tasks, batch {batch}"
-        rows.append(
-            (
-                label,
-                f"{run.drain:,.0f} tasks/s, {run.cpu_ms:.2f} ms CPU per task "
-                f"({alone:.2f} without the start-up)",
-            )
+        figures = (
+            f"{run.drain:,.0f} tasks/s, {run.cpu_ms:.2f} ms CPU per task "
+            f"({alone:.2f} without the start-up)"
         )
+        server = None if sqlite else run.server_ms
+        rows.append((label, measure.joined(figures, measure.machine_bound(run.machine_ms, server))))
         if batch == 1 and sqlite:  # what bounds it: its own turns, one a task
             timed = worker_turns(url, synchronous, processes, tasks)
             rows.append((f"{label}, turns timed in place", timed))
