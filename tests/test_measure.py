@@ -7,9 +7,8 @@ import re
 
 import psycopg
 import pytest
-import sqlalchemy as sa
 
-from tests.conftest import Backends
+from tests.conftest import Backends, _pg_conninfo
 from tests.support import script
 
 
@@ -25,11 +24,10 @@ def test_the_server_spent_counts_each_process_from_its_first_reading_to_its_last
 def test_a_watch_keeps_what_a_backend_spent_after_its_connection_closed(backends: Backends) -> None:
     """A PostgreSQL server's own figure: SQLite has no server to watch."""
     measure = script("measure")
-    url, handle = backends.new("postgresql")
+    _, handle = backends.new("postgresql")
     watch = measure.ServerWatch()
-    conninfo = sa.make_url(url).set(drivername="postgresql").render_as_string(False)
     try:
-        with psycopg.connect(conninfo) as conn:
+        with psycopg.connect(_pg_conninfo(str(handle))) as conn:
             watch.poll()  # the new backend is found
             conn.execute("SELECT sum(x) FROM generate_series(1, 3000000) x").fetchone()
             watch.poll()  # its CPU read while it lives
