@@ -16,7 +16,8 @@ Workload (per backend):
 - worker processes: 1, then 2 real ``worker --drain`` processes run T/2
   simulated no-op tasks one at a time (claim, call, complete: one transaction
   a task), then 2 in batches of 10, measured from spawn to exit; their CPU per
-  task with their start-up and without it; peak RSS of one worker
+  task with their start-up and, over a drain long enough for the start-up not to
+  be most of it, without it; peak RSS of one worker
   (scripts/worker_bench.py). On SQLite each batch-1 drain runs again with the
   workers' own writers' turns timed in place (scripts/turns.py run as a script):
   the rate beside 1 / the mean turn, the most any worker taking those turns
