@@ -125,20 +125,26 @@ def import_floor_kib(modules: list[str], first: str = "") -> int:
 def _descendants(pid: int) -> list[int]:
     found, stack = [], [pid]
     while stack:
-        parent = stack.pop()
+        kids = _children(stack.pop())
+        found += kids
+        stack += kids
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started that still run (none once it is gone)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    kids: list[int] = []
+    for tid in tasks:
         try:
-            tasks = os.listdir(f"/proc/{parent}/task")
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                kids += [int(k) for k in fh.read().split()]
         except OSError:
             continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{tid}/children") as fh:
-                    kids = [int(k) for k in fh.read().split()]
-            except OSError:
-                kids = []
-            found += kids
-            stack += kids
-    return found
+    return kids
 
 
 def consume(
@@ -213,33 +219,49 @@ def server_cpu(pids: Iterable[int] | None = None) -> Spent:
     none runs here, say a server on another host); with ``pids``, of those alone."""
     tick = os.sysconf("SC_CLK_TCK")
     spent: Spent = {}
+    for pid, fields in _postgres_stats(pids):
+        spent[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return spent
+
+
+def postmasters() -> list[int]:
+    """The main process of each PostgreSQL server on this machine: the ``postgres``
+    process whose parent is not one (every other process of a server, its backends
+    included, is a child of it)."""
+    parents = {pid: int(fields[1]) for pid, fields in _postgres_stats(None)}
+    return [pid for pid, parent in parents.items() if parent not in parents]
+
+
+def _postgres_stats(pids: Iterable[int] | None) -> Iterator[tuple[int, list[str]]]:
+    """The fields of /proc/<pid>/stat after the name (state, parent, …) of each
+    ``postgres`` process among ``pids`` (None: every process on the machine)."""
     for pid in pids if pids is not None else (int(e) for e in os.listdir("/proc") if e.isdigit()):
         try:
             with open(f"/proc/{pid}/stat") as fh:
                 stat = fh.read()
         except OSError:  # gone meanwhile
             continue
-        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :]
-        if name == "postgres":
-            fields = rest.split()
-            spent[pid] = (int(fields[11]) + int(fields[12])) / tick
-    return spent
+        if stat[stat.index("(") + 1 : stat.rindex(")")] == "postgres":
+            yield pid, stat[stat.rindex(")") + 2 :].split()
 
 
 class ServerWatch:
     """A local PostgreSQL server's CPU while processes run that connect to it and exit
     (their backends exit with them): read at each ``poll``, each server process's
-    latest reading is kept. A whole look through /proc (~1 ms) finds new processes
-    every tenth poll; the polls between read the processes known."""
+    latest reading is kept. Each poll reads the processes known and the server's new
+    children (``postmasters``), so a backend is seen from the first poll of its life:
+    what it spends after the last poll before it exits is not."""
 
     def __init__(self) -> None:
         self.first = server_cpu()
         self.latest = dict(self.first)
-        self._polls = 0
+        self._postmasters = postmasters()
 
     def poll(self) -> None:
-        self._polls += 1
-        self.latest.update(server_cpu(None if self._polls % 10 == 1 else list(self.latest)))
+        pids = set(self.latest)
+        for postmaster in self._postmasters:
+            pids.update(_children(postmaster))
+        self.latest.update(server_cpu(pids))
 
     def per_task_ms(self, tasks: int) -> float | None:
         spent = server_spent(self.first, self.latest)
