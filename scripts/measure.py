@@ -131,6 +131,12 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def lists_children(pids: Iterable[int]) -> bool:
+    """Whether this kernel lists each of ``pids``'s children (/proc/<pid>/task/<tid>/children,
+    CONFIG_PROC_CHILDREN)."""
+    return all(os.path.exists(f"/proc/{pid}/task/{pid}/children") for pid in pids)
+
+
 def _children(pid: int) -> list[int]:
     """The processes ``pid`` started that still run (none once it is gone)."""
     try:
@@ -249,15 +255,20 @@ class ServerWatch:
     """A local PostgreSQL server's CPU while processes run that connect to it and exit
     (their backends exit with them): read at each ``poll``, each server process's
     latest reading is kept. Each poll reads the processes known and the server's new
-    children (``postmasters``), so a backend is seen from the first poll of its life:
-    what it spends after the last poll before it exits is not."""
+    children (``postmasters``; on a kernel that does not list a process's children,
+    every process), so a backend is seen from the first poll of its life: what it
+    spends after the last poll before it exits is not."""
 
     def __init__(self) -> None:
         self.first = server_cpu()
         self.latest = dict(self.first)
         self._postmasters = postmasters()
+        self._listed = lists_children(self._postmasters)
 
     def poll(self) -> None:
+        if not self._listed:
+            self.latest.update(server_cpu())
+            return
         pids = set(self.latest)
         for postmaster in self._postmasters:
             pids.update(_children(postmaster))

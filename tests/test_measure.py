@@ -21,10 +21,16 @@ def test_the_server_spent_counts_each_process_from_its_first_reading_to_its_last
     assert measure.server_spent({1: 1.0}, {}) is None  # no server here
 
 
-def test_a_watch_keeps_what_a_backend_spent_after_its_connection_closed(backends: Backends) -> None:
+@pytest.mark.parametrize("listed", [True, False], ids=["children-listed", "children-unlisted"])
+def test_a_watch_keeps_what_a_backend_spent_after_its_connection_closed(
+    backends: Backends, listed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A PostgreSQL server's own figure: SQLite has no server to watch. The backend
-    starts after the watch's first poll, as a short drain's do: the next poll finds it."""
+    starts after the watch's first poll, as a short drain's do: the next poll finds it,
+    among the server's children or, on a kernel that does not list them, in /proc."""
     measure = script("measure")
+    real = measure.lists_children
+    monkeypatch.setattr(measure, "lists_children", lambda pids: listed and real(pids))
     _, handle = backends.new("postgresql")
     watch = measure.ServerWatch()
     watch.poll()
