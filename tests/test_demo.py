@@ -35,6 +35,12 @@ def children_of(url: str) -> list[int]:
     return found
 
 
+def demo_env(tmp_path: Path) -> dict[str, str]:
+    """The demo's environment: its working folder (config, logs) made under ``tmp_path``,
+    the temporary folder of its run, not in the machine's /tmp."""
+    return {**clean_env(), "TMPDIR": str(tmp_path)}
+
+
 def test_quick_demo_runs_to_completion(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'demo.db'}"
     done = subprocess.run(
@@ -42,10 +48,11 @@ def test_quick_demo_runs_to_completion(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=120,
-        env=clean_env(),
+        env=demo_env(tmp_path),
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    assert len(list(tmp_path.glob("agentbus-demo-*/sweeper.log"))) == 1
     assert "15 of 15 tasks done" in done.stdout
     assert "preservation" in done.stdout and "PASS" in done.stdout
     db = Database(url)
@@ -66,7 +73,7 @@ def test_ctrl_c_stops_every_child(tmp_path: Path) -> None:
             [BUSCTL, "--db", url, "demo"],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=clean_env(),
+            env=demo_env(tmp_path),
             start_new_session=True,
         )
     try:
