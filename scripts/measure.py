@@ -223,19 +223,19 @@ def server_cpu(pids: Iterable[int] | None = None) -> Spent:
     """CPU seconds (user + system) each process of a PostgreSQL server on this machine
     has spent, by pid: its backends, WAL writer, checkpointer, autovacuum (empty where
     none runs here, say a server on another host); with ``pids``, of those alone."""
-    tick = os.sysconf("SC_CLK_TCK")
-    spent: Spent = {}
-    for pid, fields in _postgres_stats(pids):
-        spent[pid] = (int(fields[11]) + int(fields[12])) / tick
-    return spent
+    return {pid: _cpu_seconds(fields) for pid, fields in _postgres_stats(pids)}
 
 
-def postmasters() -> list[int]:
-    """The main process of each PostgreSQL server on this machine: the ``postgres``
-    process whose parent is not one (every other process of a server, its backends
-    included, is a child of it)."""
-    parents = {pid: int(fields[1]) for pid, fields in _postgres_stats(None)}
-    return [pid for pid, parent in parents.items() if parent not in parents]
+def postmasters(stats: dict[int, list[str]]) -> list[int]:
+    """The main process of each PostgreSQL server among ``stats`` (``_postgres_stats`` of
+    every process): the ``postgres`` process whose parent is not one (every other
+    process of a server, its backends included, is a child of it)."""
+    return [pid for pid, fields in stats.items() if int(fields[1]) not in stats]
+
+
+def _cpu_seconds(fields: list[str]) -> float:
+    """User + system CPU seconds from the fields of /proc/<pid>/stat after the name."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _postgres_stats(pids: Iterable[int] | None) -> Iterator[tuple[int, list[str]]]:
@@ -260,9 +260,10 @@ class ServerWatch:
     spends after the last poll before it exits is not."""
 
     def __init__(self) -> None:
-        self.first = server_cpu()
+        stats = dict(_postgres_stats(None))  # one look through /proc for both
+        self.first = {pid: _cpu_seconds(fields) for pid, fields in stats.items()}
         self.latest = dict(self.first)
-        self._postmasters = postmasters()
+        self._postmasters = postmasters(stats)
         self._listed = lists_children(self._postmasters)
 
     def poll(self) -> None:
