@@ -212,24 +212,30 @@ NEXT_DUE = sa.select(sa.func.min(t.c.run_after)).where(
 
 
 @functools.cache
-def claim_statement(dialect: str, *, single: bool = False) -> Update:
+def claim_statement(dialect: str, *, single: bool = False, limit: int | None = None) -> Update:
     """Claim up to ``p_limit`` due queued tasks of ``p_agent`` in one statement (``single``:
-    one task, ``p_limit`` not read): by priority, then by when each came due, then by age.
+    one task, ``p_limit`` not read; ``limit``: that many, written in the statement, ``p_limit``
+    not read): by priority, then by when each came due, then by age.
     Read in the order of the queued tasks' index, the first entry of a priority that is not
     due ends that priority's due ones: tasks queued for later are never read past."""
     picked = (
         sa.select(t.c.id)
         .where(in_state(_source("claim")), t.c.agent == P_AGENT, t.c.run_after <= P_NOW)
         .order_by(t.c.priority.desc(), t.c.run_after, t.c.id)
-        .limit(1 if single else P_LIMIT)
+        .limit(1 if single else P_LIMIT if limit is None else limit)
     )
     if dialect == "postgresql":
         # A CTE runs once; an IN (subquery … FOR UPDATE) may be re-run per row. The rows
         # it picks are queued and locked: the UPDATE finds them by key. (A status test
         # here would let the planner read them through the queued tasks' partial index,
         # all of it, when its statistics still say the queue is nearly empty: a burst.)
+        # They are matched as an array of keys, not joined: a plan made once for any
+        # ``p_limit`` guesses a tenth of the queued tasks the statistics last saw, and
+        # for that many would hash the whole table to join them (each claim then costs
+        # as much as the table is large). The caller orders the rows it gets back.
         cte = picked.with_for_update(skip_locked=True).cte("picked")
-        match = [t.c.id == cte.c.id]
+        keys = sa.func.array(sa.select(cte.c.id).scalar_subquery())
+        match = [t.c.id == sa.any_(keys)]
     elif single:
         # SQLite builds a temporary b-tree of an IN (subquery)'s rows at every run; the one
         # task's id compares in place.

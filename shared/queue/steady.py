@@ -59,11 +59,12 @@ def _recordset(name: str, table: sa.Table, extra: Sequence[sa.ColumnClause[Any]]
 
 
 @functools.cache
-def ack_and_claim_postgres(*, single: bool = False) -> sa.Select[Any]:
+def ack_and_claim_postgres(*, single: bool = False, limit: int | None = None) -> sa.Select[Any]:
     """PostgreSQL: the steady state in one statement.
 
     Parameters: those of ``COMPLETE_MANY_POSTGRES`` (with ``single``: of
-    ``COMPLETE_ONE_POSTGRES``, one completion or none, ``p_id`` NULL) and of the claim,
+    ``COMPLETE_ONE_POSTGRES``, one completion or none, ``p_id`` NULL) and of the claim
+    (with ``limit``: claiming up to that many, ``p_limit`` not read),
     ``p_events`` (the settlement events), ``p_routes`` (routing rows, each with its
     ``day``) as JSON arrays. Returns one row per claimed task (all its columns) and,
     in column ``acked`` of every row, the ids whose completion held; at least one row.
@@ -71,7 +72,13 @@ def ack_and_claim_postgres(*, single: bool = False) -> sa.Select[Any]:
     complete = COMPLETE_ONE_POSTGRES if single else COMPLETE_MANY_POSTGRES
     acked = complete.cte("acked")
     held = sa.select(acked.c.id)
-    claimed = claim_statement("postgresql").cte("claimed")
+    # How many to claim written in the statement: the plan the server keeps for every
+    # run (its generic plan) then counts on as many rows as a plan made for each run's
+    # values does, and is chosen over making one at every run. With ``p_limit`` it
+    # counted on a tenth of the queued tasks of the table's statistics and was dearer,
+    # so the server planned the statement again at every run, which cost it about as
+    # much again as running it once statistics said tasks were queued.
+    claimed = claim_statement("postgresql", limit=limit).cte("claimed")
     ev = _recordset("events", task_events)
     event_columns = [c.name for c in task_events.c if c.name != "id"]
     settle_events = sa.select(*(ev.c[n] for n in event_columns)).where(ev.c.task_id.in_(held))
@@ -212,7 +219,8 @@ class SteadyState:
         }
         # One at a time: plain parameters, no array to encode. A worker that claims more
         # at once runs the array form every time, its first claim included: one statement
-        # to compile and for the server to prepare.
+        # to compile and for the server to prepare (for each number of tasks it claims:
+        # its batch, and the free slots of one with several).
         single = len(acks) <= 1 and claim["p_limit"] <= 1
         if single:  # none: p_id NULL matches no row
             first = acks[0] if acks else None
@@ -226,7 +234,7 @@ class SteadyState:
             params["p_results"] = [events.storable(r["p_result"]) for r in results]
             params["p_notes"] = [events.storable(r["p_note"]) for r in results]
             params["p_details"] = [events.storable(r["p_detail"]) for r in results]
-        both = prepared(conn.dialect, ack_and_claim_postgres(single=single))
+        both = prepared(conn.dialect, ack_and_claim_postgres(single=single, limit=claim["p_limit"]))
         rows = both.rows(both.execute(conn, params))
         acked = set(rows[0]["acked"] or ())
         return acked, [row for row in rows if row["id"] is not None]
