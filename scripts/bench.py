@@ -23,7 +23,9 @@ Workload (per backend):
   (scripts/worker_bench.py). On SQLite each batch-1 drain runs again with the
   workers' own writers' turns timed in place (scripts/turns.py run as a script):
   the rate beside 1 / the mean turn, the most any worker taking those turns
-  could settle.
+  could settle. Each 2-process drain runs again with the tasks table's
+  statistics taken once its tasks are queued (``ANALYZE``, as autovacuum does in
+  service; the fresh database of the other rows has none).
 - memory: one idle worker's RSS (up, nothing to claim), and the RSS of an
   interpreter that only imports SQLAlchemy and the database's driver.
 - sweeper resume pass: N paused tasks (1 % due) inserted directly; one
