@@ -466,20 +466,24 @@ def test_a_batch_of_completions_stores_every_text_as_given(queue: TaskQueue) -> 
     assert queue.get(stale.id).status is TaskStatus.CLAIMED
 
 
-def _generic_plan(queue: TaskQueue, statement: Any, values: dict[str, Any]) -> list[str]:
+def _generic_plan(
+    queue: TaskQueue, statement: Any, values: dict[str, Any], *, then_claimed: int = 0
+) -> list[str]:
     """PostgreSQL: the plan of ``statement`` prepared once for any values (a generic plan,
     which the server switches to after a few runs when it costs about what the plans for
     each run's values do), with ``bus_commands``'s statistics taken while 2,000 tasks
-    are queued."""
+    are queued (and ``then_claimed`` of them claimed after)."""
     import psycopg
 
     queue.enqueue_many([TaskSpec(agent="a", command="t")] * 2000)
+    queue.db.write(lambda conn: conn.exec_driver_sql("ANALYZE bus_commands"))
+    if then_claimed:
+        queue.settle_and_claim([], "a", "w", 600, then_claimed)
     made = prepared(queue.db.engine.dialect, statement)
     args = made.params(values)
     with queue.db.engine.connect() as conn:
         raw = conn.connection.driver_connection
         assert isinstance(raw, psycopg.Connection)
-        raw.execute("ANALYZE bus_commands")
         raw.execute("SET plan_cache_mode = force_generic_plan")
         raw.execute(f"PREPARE generic AS {made.sql}")
         marks = ", ".join(["%s"] * len(args))
@@ -520,6 +524,38 @@ def test_a_cached_steady_state_plan_reads_no_whole_table(queue: TaskQueue, singl
     plan = _generic_plan(queue, statement, values)
     assert any("ix_bus_commands_claim" in line for line in plan), plan
     assert not any("Seq Scan on bus_commands" in line for line in plan), plan
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+@pytest.mark.parametrize(
+    "name",
+    ["complete", "complete_many", "release", "heartbeat", "postpone", "steady", "steady_many"],
+)
+def test_a_task_found_by_its_key_is_read_by_its_key(queue: TaskQueue, name: str) -> None:
+    """A statement that names its task (a settle, a heartbeat, a postponement, a worker's
+    completions) reads it through the primary key, never through the partial index of
+    its state, all of which it would read (every task claimed at once), when the
+    statistics were taken while few tasks were in that state."""
+    from agentbus.queue.statements import COMPLETE_MANY_POSTGRES, HEARTBEAT, POSTPONE, SETTLE
+    from agentbus.queue.steady import ack_and_claim_postgres
+
+    one = {"p_id": 1, "p_token": 1, "p_now": 1.0, "p_lease_until": 2.0}
+    done = dict.fromkeys(("p_result", "p_note", "p_detail"))
+    many = {"p_ids": [1], "p_tokens": [1], "p_results": [None], "p_notes": [None]}
+    steady = {**_CLAIM, "p_events": [], "p_routes": []}
+    statement, values = {
+        "complete": (SETTLE["complete"], {**one, **done}),
+        "complete_many": (COMPLETE_MANY_POSTGRES, {**many, "p_details": [None], "p_now": 1.0}),
+        "release": (SETTLE["release"], one),
+        "heartbeat": (HEARTBEAT, one),
+        "postpone": (POSTPONE, {**one, "p_resume_after": 2.0, "p_reason": "r"}),
+        "steady": (ack_and_claim_postgres(single=True, limit=1), {**steady, **one, **done}),
+        "steady_many": (ack_and_claim_postgres(limit=10), {**steady, **many, "p_details": [None]}),
+    }[name]
+    plan = _generic_plan(queue, statement, values, then_claimed=300)
+    found = [line for line in plan if " using " in line and "bus_commands" in line]
+    assert any("bus_commands_pkey" in line for line in found), plan
+    assert not any("ix_bus_commands_lease" in line or "_paused_due" in line for line in found)
 
 
 @pytest.mark.parametrize("backend", ["postgresql"])
