@@ -223,8 +223,8 @@ NEXT_DUE = sa.select(sa.func.min(t.c.run_after)).where(
 @functools.cache
 def claim_statement(dialect: str, *, single: bool = False, limit: int | None = None) -> Update:
     """Claim up to ``p_limit`` due queued tasks of ``p_agent`` in one statement (``single``:
-    one task, ``p_limit`` not read; ``limit``: that many, written in the statement, ``p_limit``
-    not read): by priority, then by when each came due, then by age.
+    one task, ``p_limit`` not read; ``limit``: up to that many, written in the statement,
+    ``p_limit`` not read): by priority, then by when each came due, then by age.
     Read in the order of the queued tasks' index, the first entry of a priority that is not
     due ends that priority's due ones: tasks queued for later are never read past."""
     picked = (
