@@ -79,11 +79,16 @@ def bench_workers(url: str, synchronous: str, tasks: int) -> list[tuple[str, str
     started = worker_drain(url, synchronous, 1, 0, 1).cpu_ms  # per process, in ms
     sqlite = url.startswith("sqlite")
     rows, peak = [], 0.0
-    for processes, batch in ((1, 1), (2, 1), (2, 10)):
-        run = worker_drain(url, synchronous, processes, tasks, batch)
+    # Each 2-process drain again with the tasks table's statistics taken, as in service:
+    # the planner then knows how many tasks are queued (a fresh database has none).
+    runs = ((1, 1, False), (2, 1, False), (2, 1, True), (2, 10, False), (2, 10, True))
+    for processes, batch, analyze in runs:
+        run = worker_drain(url, synchronous, processes, tasks, batch, analyze)
         peak = max(peak, run.rss_mib)
         start_up = processes * started / tasks
         label = f"worker processes, {processes} x drain {tasks:,} tasks, batch {batch}"
+        if analyze:
+            label += ", the table's statistics taken with them queued"
         figures = f"{run.drain:,.0f} tasks/s, {run.cpu_ms:.2f} ms CPU per task " + (
             f"({run.cpu_ms - start_up:.2f} without the start-up)"
             # Over a short drain the start-up is most of it, and what taking it off
@@ -93,18 +98,9 @@ def bench_workers(url: str, synchronous: str, tasks: int) -> list[tuple[str, str
         )
         server = None if sqlite else run.server_ms
         rows.append((label, measure.joined(figures, measure.machine_bound(run.machine_ms, server))))
-        if batch == 1 and sqlite:  # what bounds it: its own turns, one a task
+        if batch == 1 and sqlite and not analyze:  # what bounds it: its own turns, one a task
             timed = worker_turns(url, synchronous, processes, tasks)
             rows.append((f"{label}, turns timed in place", timed))
-        if processes == 2:  # as in service: the planner knows how many tasks are queued
-            run = worker_drain(url, synchronous, processes, tasks, batch, analyze=True)
-            figures = f"{run.drain:,.0f} tasks/s, {run.cpu_ms:.2f} ms CPU per task"
-            rows.append(
-                (
-                    f"{label}, the table's statistics taken with them queued",
-                    measure.joined(figures, measure.machine_bound(run.machine_ms, server)),
-                )
-            )
     rows.append(("worker RSS, peak", f"{peak:,.1f} MiB"))
     rows.append(("worker start-up and exit with nothing to do, CPU", f"{started:,.0f} ms"))
     return rows + bench_memory(url, synchronous)
