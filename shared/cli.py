@@ -84,6 +84,10 @@ def run(command: click.Command, prog: str, args: list[str] | None = None) -> Non
         click.echo(f"{prog}: error: {_one_line(exc.message)}", err=True)
         sys.exit(exc.exit_code)
     except Exception as exc:
+        hint = _pooler_hint(exc)
+        if hint is not None:
+            click.echo(f"{prog}: error: {hint}", err=True)
+            sys.exit(EXIT_USAGE)
         if not _database_gone(exc):
             raise
         from agentbus.db import first_line
@@ -96,6 +100,15 @@ def run(command: click.Command, prog: str, args: list[str] | None = None) -> Non
     finally:
         gc.enable()  # off still if the command failed during its start-up
     sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _pooler_hint(exc: Exception) -> str | None:
+    """What to set, when ``exc`` says a pooler stands in front of the database unsaid."""
+    if "agentbus.db" not in sys.modules:
+        return None
+    from agentbus.db import pooler_hint
+
+    return pooler_hint(exc)
 
 
 def _database_gone(exc: Exception) -> TypeGuard[OperationalError]:
@@ -156,12 +169,31 @@ def _one_line(text: str) -> str:
 
 
 def db_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--db URL``, ``--pooler`` and ``--listen-url`` (settings database_url, pooler,
+    listen_url): the command takes ``db_url``, ``pooler`` and ``listen_url``."""
+    from agentbus.config import POOLERS
+
+    fn = click.option(
+        "--listen-url",
+        metavar="URL",
+        help="PostgreSQL behind a pooler: a direct URL to LISTEN on [setting listen_url].",
+    )(fn)
+    fn = click.option(
+        "--pooler",
+        type=click.Choice(POOLERS),
+        help="A transaction pooler in front of PostgreSQL [setting pooler, none].",
+    )(fn)
     return click.option(
         "--db",
         "db_url",
         metavar="URL",
         help="Database URL [env AGENTBUS_DATABASE_URL; default sqlite:///ops_multiagent.db].",
     )(fn)
+
+
+def db_overrides(db_url: str | None, pooler: str | None, listen_url: str | None) -> dict[str, Any]:
+    """The settings ``db_option``'s flags give."""
+    return {"database_url": db_url, "pooler": pooler, "listen_url": listen_url}
 
 
 def budget_options(fn: Callable[..., Any]) -> Callable[..., Any]:

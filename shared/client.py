@@ -249,14 +249,14 @@ class AgentBus:
 
     def _listen(self) -> None:
         """PostgreSQL: hear settled tasks from the first wait on (one connection)."""
-        if self._listener is not None or self.db.dialect != "postgresql":
+        if self._listener is not None or self.db.listen_conninfo is None:
             return
-        url = self.db.engine.url.set(drivername="postgresql")
         self._listener = wakeups.Listener(
-            url.render_as_string(hide_password=False),
+            self.db.listen_conninfo,
             self._heard,
             channel=wakeups.SETTLED,
             register=True,
+            application_name=self.db.application_name,
         ).start()
 
     def _heard(self) -> None:

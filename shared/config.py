@@ -31,6 +31,10 @@ ENV_PREFIX = "AGENTBUS_"
 DEFAULT_DATABASE_URL = "sqlite:///ops_multiagent.db"
 DEFAULT_CONFIG_FILE = "agentbus.toml"
 BUDGET_MODES = ("off", "warn", "enforce")
+#: What stands between the processes and PostgreSQL: nothing, or a pooler that hands each
+#: transaction to any of its server connections (PgBouncer's pool_mode = transaction, RDS
+#: Proxy, Supabase's pooler), so that no process may keep state in a session.
+POOLERS = ("none", "transaction")
 
 
 def _doc(text: str, default: Any) -> Any:
@@ -44,6 +48,17 @@ class Settings:
     database_url: str = _doc(
         "SQLAlchemy URL of the queue database (sqlite:///FILE or postgresql+psycopg://…).",
         DEFAULT_DATABASE_URL,
+    )
+    pooler: str = _doc(
+        "PostgreSQL: none, or transaction when a transaction pooler (PgBouncer's pool_mode "
+        "= transaction, RDS Proxy) stands in front of the server: nothing is kept in a "
+        "session (no prepared statements, no LISTEN). The URL may say ?pooler=transaction.",
+        "none",
+    )
+    listen_url: str = _doc(
+        "PostgreSQL with a pooler: a direct URL to the server where idle workers and "
+        "waiting producers LISTEN (one connection each); without it they poll.",
+        "",
     )
     lease_sec: float = _doc(
         "How long a claim is held without a heartbeat before the sweeper may rescue it.", 60.0
@@ -275,6 +290,10 @@ class Settings:
         ):
             if not getattr(self, name) >= 0 or not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"setting {name} must be 0 (keep) or a positive number")
+        if self.pooler not in POOLERS:
+            raise ConfigError(
+                f"setting pooler {self.pooler!r} is not known: use {' or '.join(POOLERS)}"
+            )
         self.backoff_steps()  # parses, or raises ConfigError
         if self.client_budget < 0:
             raise ConfigError("setting client_budget must not be negative")
@@ -460,6 +479,8 @@ def load_config(
         raise ConfigError(f"{path}: {exc.message}") from None
     settings = Settings.from_doc(doc, path, overrides, env)
     masking.register_config(catalog, env, settings.database_url)
+    if settings.listen_url:
+        masking.register_config(catalog, env, settings.listen_url)
     return Config(settings, catalog, path, overrides, environ)
 
 

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from importlib import resources
@@ -27,7 +28,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine
 
 from agentbus.clock import clock_for
-from agentbus.errors import BusError, DatabaseUnavailable, NotMigrated
+from agentbus.config import POOLERS
+from agentbus.errors import BusError, ConfigError, DatabaseUnavailable, NotMigrated
 from agentbus.logging import get_logger
 from agentbus.prepared import Prepared, prepared
 
@@ -54,11 +56,29 @@ def parse_url(raw: str) -> URL:
             "or postgresql+psycopg://USER@HOST/DB"
         )
     if url.get_backend_name() == "postgresql":
+        pooler = url.query.get("pooler")
+        if pooler is not None:
+            check_pooler(pooler if isinstance(pooler, str) else ",".join(pooler), "?pooler=")
         if url.get_driver_name() != "psycopg":
             raise BusError("use the psycopg 3 driver: postgresql+psycopg://USER@HOST/DB")
         if importlib.util.find_spec("psycopg") is None:
             raise BusError("PostgreSQL needs the psycopg driver: pip install 'agentbus[postgres]'")
     return url
+
+
+def check_pooler(value: str, where: str = "setting pooler ") -> str:
+    if value not in POOLERS:
+        raise BusError(f"{where}{value!r} is not known: use {' or '.join(POOLERS)}")
+    return value
+
+
+def _split_pooler(url: URL) -> tuple[URL, str | None]:
+    """The URL without its ``pooler`` query argument (psycopg would pass it on to the
+    server), and that argument's value."""
+    value = url.query.get("pooler")
+    if value is None:
+        return url, None
+    return url.difference_update_query(["pooler"]), value if isinstance(value, str) else value[0]
 
 
 def redact(raw: str | URL) -> str:
@@ -73,6 +93,8 @@ def redact(raw: str | URL) -> str:
 
 def is_transient(exc: BaseException) -> bool:
     """Whether running the same unit of work again may succeed."""
+    if isinstance(exc, sa.exc.TimeoutError):  # every pooled connection busy for pool_timeout
+        return True
     if not isinstance(exc, sa.exc.DBAPIError):
         return False
     if exc.connection_invalidated:
@@ -88,6 +110,40 @@ def is_transient(exc: BaseException) -> bool:
         return "locked" in str(orig) or "busy" in str(orig)
     psycopg = sys.modules.get("psycopg")  # imported by the engine when the URL is PostgreSQL
     return psycopg is not None and isinstance(orig, psycopg.OperationalError)
+
+
+#: What a full server or pooler answers a new connection: PostgreSQL's SQLSTATE 53300
+#: (``too many clients already``, a role's or a database's CONNECTION LIMIT), and
+#: PgBouncer's refusals (it sends them all as 08P01, told apart by their text).
+_FULL_SQLSTATE = "53300"
+_POOLER_FULL = ("no more connections allowed", "query_wait_timeout", "pgbouncer cannot connect")
+
+
+def is_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says every connection of the server or pooler is taken now."""
+    orig = getattr(exc, "orig", None) or exc
+    if getattr(orig, "sqlstate", None) == _FULL_SQLSTATE:
+        return True
+    text = str(orig)
+    return "too many clients" in text or any(phrase in text for phrase in _POOLER_FULL)
+
+
+#: What PostgreSQL answers a statement prepared on one session and run on another, or
+#: prepared twice on one: seen only through a transaction pooler with pooler = none.
+_LOST_PREPARE_SQLSTATES = ("42P05", "26000")  # duplicate / unknown prepared statement
+
+
+def pooler_hint(exc: BaseException) -> str | None:
+    """One line for an error that says a transaction pooler stands in front of the
+    server while the setting says none (a prepared statement went missing); else None."""
+    orig = getattr(exc, "orig", None) or exc
+    if getattr(orig, "sqlstate", None) not in _LOST_PREPARE_SQLSTATES:
+        return None
+    return (
+        f"{first_line(orig)}: the server's sessions change under this process, as behind "
+        "a transaction pooler (PgBouncer, RDS Proxy): set pooler = transaction "
+        "(AGENTBUS_POOLER, --pooler, or ?pooler=transaction in the URL)"
+    )
 
 
 _JSON_DECODE = json.JSONDecoder().decode
@@ -112,14 +168,32 @@ class Database:
         sqlite_synchronous: str = "FULL",
         pool_size: int = 5,
         no_bitmap_scans: bool = False,
+        pooler: str = "none",
+        listen_url: str | None = None,
+        application_name: str = "agentbus-api",
+        connections: int = 3,
     ) -> None:
         """``no_bitmap_scans``: a worker's engine (PostgreSQL). Its statements find rows by
         key or through the partial indexes of claimed, queued and open states, whose
         entries a change of state leaves behind until VACUUM: a plain index scan marks
         them dead as it passes them, a bitmap scan reads every one again (completing
-        10 claims read 3,000 such entries after 3,000 tasks, ~0.3 ms a batch)."""
-        self.url = parse_url(url)
+        10 claims read 3,000 such entries after 3,000 tasks, ~0.3 ms a batch).
+
+        PostgreSQL only: ``connections`` is the most this process opens (a listener's
+        besides): from 3 on, two kept for the hot path (``Pinned``: its transactions and
+        its autocommit statements), one kept in the pool, the rest opened under load and
+        closed when it passes. ``pooler`` (or the URL's
+        ``?pooler=transaction``) says a transaction pooler stands in front of the server:
+        no statement is prepared on the server, nothing is set for a session, and no
+        process LISTENs through it (``listen_url``, a direct connection, does).
+        ``application_name`` names every connection in ``pg_stat_activity``."""
+        self.url, in_url = _split_pooler(parse_url(url))
         self.dialect = self.url.get_backend_name()
+        self.pooler = "transaction" if "transaction" in (in_url, check_pooler(pooler)) else "none"
+        own = self.url.query.get("application_name")
+        self.application_name = own if isinstance(own, str) else application_name
+        #: Where this process LISTENs (PostgreSQL; None: nowhere, it polls).
+        self.listen_conninfo: str | None = None
         #: The fleet's clock (PostgreSQL: the database's; SQLite: this host's).
         self.clock: Callable[[], float] = clock_for(self)
         self.retry_for = retry_for
@@ -140,11 +214,29 @@ class Database:
             self._on_driver = sqlite_engine.in_driver_transaction
             self._at_level = sqlite_engine.synchronous
         else:
+            connect_args: dict[str, Any] = {}
+            if "application_name" not in self.url.query:  # the user's own name wins
+                connect_args["application_name"] = application_name
+            if self.pooler == "transaction":
+                # psycopg prepares a statement run often, and Prepared asks it to at once:
+                # with no threshold it never does (a prepared statement lives in a session).
+                connect_args["prepare_threshold"] = None
+            # Pinned's connection is one of the pool's, checked out for good.
             self.engine = sa.create_engine(
-                self.url, pool_size=pool_size, max_overflow=pool_size, json_deserializer=_json_loads
+                self.url,
+                pool_size=1,
+                max_overflow=max(connections - 1, 0),
+                pool_timeout=max(retry_for, 1.0),
+                connect_args=connect_args,
+                json_deserializer=_json_loads,
             )
-            if no_bitmap_scans:
+            if no_bitmap_scans and self.pooler == "none":  # a session's setting
                 sa.event.listen(self.engine, "connect", _no_bitmap_scans)
+            if listen_url:
+                listen = parse_url(listen_url)
+                self.listen_conninfo = _conninfo(_split_pooler(listen)[0])
+            elif self.pooler == "none":
+                self.listen_conninfo = _conninfo(self.url)
         if self.dialect == "postgresql":
             # A read is one statement or a report: autocommit spares BEGIN and COMMIT
             # (two of the three round trips of a lone SELECT).
@@ -153,14 +245,21 @@ class Database:
             self._read_engine = self.engine.execution_options(agentbus_read_only=True)
         #: The one connection kept out of the pool for the hot writes (a worker's
         #: settle-and-claim, enqueues): taken at its first use, closed by ``dispose``.
-        self.pinned = Pinned(self)
+        self.pinned = Pinned(self, enabled=self.dialect == "sqlite" or connections >= 3)
 
     @classmethod
     def from_settings(
-        cls, settings: Any, *, threads: int = 1, no_bitmap_scans: bool = False
+        cls,
+        settings: Any,
+        *,
+        threads: int = 1,
+        no_bitmap_scans: bool = False,
+        name: str = "agentbus-api",
+        connections: int = 3,
     ) -> Database:
         """The database of ``settings``, its pool sized for ``threads`` that use it at once
-        (besides a worker's watchdog and its claims)."""
+        (besides a worker's watchdog and its claims); on PostgreSQL at most ``connections``
+        of its own, each named ``name``."""
         return cls(
             settings.database_url,
             retry_for=settings.db_retry_sec,
@@ -168,6 +267,10 @@ class Database:
             sqlite_synchronous=settings.sqlite_synchronous,
             pool_size=pool_size_for(threads),
             no_bitmap_scans=no_bitmap_scans,
+            pooler=settings.pooler,
+            listen_url=settings.listen_url or None,
+            application_name=name,
+            connections=connections,
         )
 
     def __repr__(self) -> str:
@@ -225,17 +328,22 @@ class Database:
         with engine.begin() as conn:
             return work(conn)
 
-    def _retrying(self, fn: Callable[[], T]) -> T:
+    def _retrying(
+        self, fn: Callable[[], T], when: Callable[[BaseException], bool] = is_transient
+    ) -> T:
         try:  # the common case pays nothing for the retry machinery
             return fn()
         except Exception as exc:
-            if not is_transient(exc):
+            if not when(exc):
+                hint = pooler_hint(exc)
+                if hint is not None:
+                    raise ConfigError(hint) from None
                 raise
             _log_first_failure(exc)
         import tenacity  # only once a transient error happened
 
         retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(is_transient),
+            retry=tenacity.retry_if_exception(when),
             stop=tenacity.stop_after_delay(self.retry_for),
             wait=tenacity.wait_exponential(multiplier=0.02, max=2.0)
             + tenacity.wait_random(0, 0.05),
@@ -245,14 +353,34 @@ class Database:
         return retrying(fn)
 
     def check_connection(self) -> None:
-        """Fail fast, with one readable line, when the database cannot be reached."""
-        try:
+        """Fail fast, with one readable line, when the database cannot be reached (nor the
+        ``listen_url``, when one is given). A server or pooler that is full (every
+        connection taken) is waited for, up to ``retry_for``: a fleet starting at once
+        gets in as others leave."""
+
+        def connect() -> None:
             with self.engine.connect() as conn:
                 conn.exec_driver_sql("SELECT 1")
+
+        try:
+            self._retrying(connect, when=is_full)
         except sa.exc.DBAPIError as exc:
             raise DatabaseUnavailable(
                 f"cannot connect to {redact(self.url)}: {first_line(exc.orig)}"
             ) from None
+        if self.listen_conninfo is not None and self.listen_conninfo != _conninfo(self.url):
+            import psycopg
+
+            conninfo = self.listen_conninfo
+            try:
+                self._retrying(
+                    lambda: psycopg.connect(conninfo, connect_timeout=10).close(), when=is_full
+                )
+            except psycopg.Error as exc:
+                raise DatabaseUnavailable(
+                    f"cannot connect to listen_url {redact(self.listen_conninfo)}: "
+                    f"{first_line(exc)}"
+                ) from None
 
     def current_revision(self) -> str | None:
         """The schema's Alembic revision (None: no agentbus schema), read without Alembic."""
@@ -305,8 +433,10 @@ class Pinned:
     takes a fresh one.
     """
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, *, enabled: bool = True) -> None:
         self.db = db
+        self.enabled = enabled  # False: every transaction goes through the pool
+        self._resting = False
         self._lock = threading.Lock()
         self._held: dict[bool, Connection] = {}  # autocommit -> its connection, once taken
         # Dropped without ``close`` (a Database never disposed): the connections go back.
@@ -319,7 +449,7 @@ class Pinned:
         return self._run(work, autocommit=self.db.dialect == "postgresql")
 
     def _run(self, work: Callable[[Connection], T], *, autocommit: bool, durable: bool = True) -> T:
-        if not self._lock.acquire(blocking=False):
+        if self._resting or not self.enabled or not self._lock.acquire(blocking=False):
             if autocommit:
                 return self.db.write_one(work)
             return self.db.write(work, durable=durable)
@@ -344,8 +474,23 @@ class Pinned:
             self.close()
             raise
 
+    def rest(self, resting: bool = True) -> None:
+        """``resting``: give the connections back (the caller has gone idle) and send
+        the transactions through the pool until ``rest(False)``."""
+        self._resting = resting
+        if resting and self._held and self._lock.acquire(blocking=False):
+            try:
+                self.close()
+            finally:
+                self._lock.release()
+
     def close(self) -> None:
         _close_all(self._held)
+
+
+def _conninfo(url: URL) -> str:
+    """``url`` as libpq reads it (psycopg's own connections: listeners)."""
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def _close_all(held: dict[bool, Connection]) -> None:
@@ -359,15 +504,28 @@ def first_line(exc: BaseException | None) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+#: A process says once that the database fails (a fleet's every thread hits the same
+#: outage, a refused connection comes back at each retry): again only this much later.
+RETRY_LOG_EVERY_SEC = 30.0
+_last_retry_log = [-RETRY_LOG_EVERY_SEC]
+
+
+def _say_retry(attempt: int, exc: BaseException | None) -> None:
+    now = time.monotonic()
+    error = first_line(getattr(exc, "orig", exc))
+    if now - _last_retry_log[0] >= RETRY_LOG_EVERY_SEC:
+        _last_retry_log[0] = now
+        log.warning("db_retry", attempt=attempt, error=error, effect="retried with backoff")
+    else:
+        log.debug("db_retry", attempt=attempt, error=error)
+
+
 def _log_first_failure(exc: BaseException) -> None:
-    log.warning("db_retry", attempt=0, error=first_line(getattr(exc, "orig", exc)))
+    _say_retry(0, exc)
 
 
 def _log_retry(state: tenacity.RetryCallState) -> None:
-    exc = state.outcome.exception() if state.outcome else None
-    log.warning(
-        "db_retry", attempt=state.attempt_number, error=first_line(getattr(exc, "orig", exc))
-    )
+    _say_retry(state.attempt_number, state.outcome.exception() if state.outcome else None)
 
 
 def dialect_insert(dialect: str) -> Any:

@@ -24,6 +24,8 @@ from agentbus.logging import configure
 @click.option("--log-json", is_flag=True, help="Log JSON lines (default: readable lines).")
 def sweeper(
     db_url: str | None,
+    pooler: str | None,
+    listen_url: str | None,
     config_file: str | None,
     interval_sec: float | None,
     once: bool,
@@ -31,7 +33,7 @@ def sweeper(
 ) -> int:
     """Resume due pauses, rescue expired claims, demote 48 h pauses, purge cooldowns."""
     started = cli.start_up()
-    overrides = {"database_url": db_url, "sweep_interval_sec": interval_sec}
+    overrides = {**cli.db_overrides(db_url, pooler, listen_url), "sweep_interval_sec": interval_sec}
     config = load_config(config_file, overrides)
     configure(json=log_json, level=config.settings.log_level.upper())
     from agentbus.db import Database
@@ -39,7 +41,9 @@ def sweeper(
     from agentbus.sweeper.service import SweeperService, run_once
 
     cli.import_driver(config.settings.database_url)
-    db = Database.from_settings(config.settings)
+    # PostgreSQL: one connection kept for its passes; a second only for a moment (the
+    # fleet clock's re-reading in the middle of a pass, two jobs at once).
+    db = Database.from_settings(config.settings, name="agentbus-sweeper", connections=2)
     try:
         db.require_migrated()
         sweep = jobs.Sweep(db, LiveConfig(config))

@@ -1,9 +1,12 @@
-"""Database fixtures: every database test runs on SQLite and on PostgreSQL.
+"""Database fixtures: every database test runs on SQLite, on PostgreSQL, and on
+PostgreSQL through PgBouncer in transaction mode (``pgbouncer``).
 
 Postgres is reached through $AGENTBUS_TEST_PG_URL (default: the local server).
 Each test gets its own database, cloned from a migrated template made once per
-session, and dropped afterwards. Under CI=true an unreachable Postgres fails
-the run instead of skipping.
+session, and dropped afterwards; the ``pgbouncer`` runs reach theirs through a
+PgBouncer this session starts on a free port (``tests.pgbouncer``), with URLs that
+say ``?pooler=transaction``. Under CI=true an unreachable Postgres, or no
+``pgbouncer`` program, fails the run instead of skipping.
 """
 
 from __future__ import annotations
@@ -22,13 +25,21 @@ import sqlalchemy as sa
 
 from agentbus.db import Database, migrate
 from agentbus.queue import TaskQueue
+from tests import pgbouncer
 from tests.support import FakeClock, Proc, clean_env
 
 PG_URL = os.environ.get(
     "AGENTBUS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
-BACKENDS = ["sqlite", "postgresql"]
+
+
+class Pooled(str):
+    """The ``pgbouncer`` backend: equal to "postgresql", so that a test's PostgreSQL
+    branches hold for it as well; its databases are reached through the pooler."""
+
+
+BACKENDS = ["sqlite", "postgresql", pytest.param(Pooled("postgresql"), id="pgbouncer")]
 pytest_plugins = ["tests.mock_llm"]  # the mock_llm fixture: a local model endpoint
 
 
@@ -41,6 +52,12 @@ def _pg_conninfo(dbname: str | None = None) -> str:
 
 def _pg_url(dbname: str) -> str:
     return sa.make_url(PG_URL).set(database=dbname).render_as_string(hide_password=False)
+
+
+def direct_conninfo(url: str) -> str:
+    """libpq's conninfo of ``url``'s PostgreSQL database reached directly, never through
+    the session's PgBouncer: where a LISTEN is heard (what ``listen_url`` gives)."""
+    return _pg_conninfo(str(sa.make_url(url).database))
 
 
 def _pg_admin(sql: str) -> None:
@@ -57,6 +74,7 @@ class Backends:
         self.pg_error: str | None = None
         self._sqlite_template: Path | None = None
         self._pg_template: str | None = None
+        self._bouncer: pgbouncer.PgBouncer | None = None
         try:
             _pg_admin("SELECT 1")
         except psycopg.Error as exc:
@@ -68,6 +86,17 @@ class Backends:
             if IN_CI:
                 pytest.fail(message + " (CI=true: Postgres tests must run)", pytrace=False)
             pytest.skip(message)
+        if isinstance(backend, Pooled) and not pgbouncer.available():
+            message = "no pgbouncer program (Debian's pgbouncer package)"
+            if IN_CI:
+                pytest.fail(message + " (CI=true: the pooler tests must run)", pytrace=False)
+            pytest.skip(message)
+
+    def bouncer(self) -> pgbouncer.PgBouncer:
+        """The session's PgBouncer, started at first use."""
+        if self._bouncer is None:
+            self._bouncer = pgbouncer.PgBouncer(PG_URL).start()
+        return self._bouncer
 
     def new(self, backend: str, *, migrated: bool = True) -> tuple[str, Path | str]:
         """A fresh database URL and the thing to remove afterwards."""
@@ -80,6 +109,8 @@ class Backends:
             return f"sqlite:///{path}", path
         template = f" TEMPLATE {self._pg_template_name()}" if migrated else ""
         _pg_admin(f"CREATE DATABASE {name}{template}")
+        if isinstance(backend, Pooled):
+            return self.bouncer().url(name), name
         return _pg_url(name), name
 
     def drop(self, handle: Path | str) -> None:
@@ -109,6 +140,8 @@ class Backends:
         return self._pg_template
 
     def close(self) -> None:
+        if self._bouncer is not None:
+            self._bouncer.stop()
         if self._pg_template is not None:
             _pg_admin(f"DROP DATABASE IF EXISTS {self._pg_template} WITH (FORCE)")
 
@@ -122,7 +155,7 @@ def backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backends]:
 
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+    return request.param if isinstance(request.param, Pooled) else str(request.param)
 
 
 @pytest.fixture

@@ -148,3 +148,16 @@ def enqueue_held(queue: Any, gates: list[Path], *, agent: str = "codex") -> list
         ).id
         for i, gate in enumerate(gates)
     ]
+
+
+def own_engine(url: str) -> Any:
+    """An application's own engine on ``url``, made as its documentation says: behind a
+    transaction pooler (the URL's ``?pooler=transaction``, which only agentbus reads)
+    psycopg prepares no statement."""
+    import sqlalchemy as sa
+
+    parsed = sa.make_url(url)
+    if parsed.query.get("pooler") == "transaction":
+        parsed = parsed.difference_update_query(["pooler"])
+        return sa.create_engine(parsed, connect_args={"prepare_threshold": None})
+    return sa.create_engine(parsed)

@@ -8,13 +8,13 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
-import sqlalchemy as sa
 
 from agentbus import AsyncAgentBus
 from agentbus.client import AgentBus
 from agentbus.errors import InvalidTask, NotMigrated, TaskNotFound, WaitTimeout
 from agentbus.queue import TaskQueue, reads
 from agentbus.queue.states import TaskStatus
+from tests.support import own_engine
 
 
 def test_enqueue_and_wait_for_the_result(db_url: str) -> None:
@@ -118,7 +118,7 @@ def test_run_at_list_cancel_resume_and_retry(db_url: str) -> None:
 
 def test_enqueue_in_the_callers_transaction(db_url: str) -> None:
     with AgentBus(db_url) as bus:
-        engine = sa.create_engine(db_url)
+        engine = own_engine(db_url)
         with engine.connect() as conn:
             with conn.begin() as outer:
                 dropped = bus.enqueue("codex", "dropped", models=["sim/a"], connection=conn)

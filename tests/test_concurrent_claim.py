@@ -21,7 +21,9 @@ PROCESSES = 4
 
 @pytest.mark.process
 @pytest.mark.parametrize("batch", [1, 10])
-def test_four_processes_claim_every_task_exactly_once(db: Database, batch: int) -> None:
+def test_four_processes_claim_every_task_exactly_once(
+    db: Database, db_url: str, batch: int
+) -> None:
     queue = TaskQueue(db)
     specs = [TaskSpec(agent="racer", command=f"t{i}", models=("sim/a",)) for i in range(TASKS)]
     ids = queue.enqueue_many(specs)
@@ -29,14 +31,7 @@ def test_four_processes_claim_every_task_exactly_once(db: Database, batch: int) 
     with ctx.Manager() as manager, ProcessPoolExecutor(PROCESSES, mp_context=ctx) as pool:
         start = manager.Event()
         futures = [
-            pool.submit(
-                claim_and_complete,
-                str(db.url.render_as_string(False)),
-                "racer",
-                f"w{i}",
-                start,
-                batch,
-            )
+            pool.submit(claim_and_complete, db_url, "racer", f"w{i}", start, batch)
             for i in range(PROCESSES)
         ]
         start.set()

@@ -14,6 +14,7 @@ from agentbus.queue import TaskQueue, wakeups
 from agentbus.queue.decisions import Complete, Settlement
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
+from tests.conftest import direct_conninfo
 from tests.support import FakeClock, Proc, wait_until
 
 
@@ -51,12 +52,13 @@ def test_an_idle_worker_claims_a_task_when_it_is_due_not_at_its_next_poll(
     """A worker polling once a minute, idle (its first task done) and, on PostgreSQL,
     listening, claims a task queued with a delay when it is due: the enqueue's
     notification wakes it while the task is not due yet, and it looks again when the
-    task is (as it must for a task stamped by a clock a little ahead of the worker's)."""
+    task is (as it must for a task stamped by a clock a little ahead of the worker's).
+    Through a pooler, with no listen_url, it cannot listen: its looks find the task."""
     queue = TaskQueue(db)
     worker = spawn("worker", "--agent", "codex", "--db", db_url, "--poll", "60")
     first = queue.enqueue(TaskSpec(agent="codex", command="now", models=("sim/noop",))).id
     wait_until(lambda: queue.get(first).status == TaskStatus.DONE)  # acknowledged: idle now
-    if db.dialect == "postgresql":  # its listener is in place, whatever its start took
+    if db.listen_conninfo is not None:  # its listener is in place, whatever its start took
         listening = sa.text(
             "SELECT count(*) FROM pg_stat_activity"
             " WHERE datname = current_database() AND query = :listen"
@@ -71,14 +73,16 @@ def test_an_idle_worker_claims_a_task_when_it_is_due_not_at_its_next_poll(
     assert worker.wait() == 0
 
 
-def test_an_enqueue_wakes_the_listener_of_its_agent(db: Database) -> None:
+def test_an_enqueue_wakes_the_listener_of_its_agent(db: Database, db_url: str) -> None:
     queue = TaskQueue(db)
     if db.dialect == "sqlite":  # no notification (the workers poll): enqueue as ever
         task_id = queue.enqueue(TaskSpec(agent="codex", command="x", models=("sim/a",))).id
         assert queue.get(task_id).status == "queued"
         return
     wake, other = threading.Event(), threading.Event()
-    url = db.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    # Through a pooler, the notifications of the pooled statements reach a listener on
+    # the direct URL (listen_url).
+    url = direct_conninfo(db_url)
     listeners = [
         wakeups.Listener(url, wake.set, payload="codex").start(),
         wakeups.Listener(url, other.set, payload="ron").start(),
@@ -122,7 +126,7 @@ def test_notify_is_one_statement_per_agent(db: Database, agents: tuple[str, ...]
     assert sent == expected
 
 
-def test_a_settle_notifies_only_while_a_producer_listens(db: Database) -> None:
+def test_a_settle_notifies_only_while_a_producer_listens(db: Database, db_url: str) -> None:
     """A task's end is notified (``agentbus_settled``) while a producer's listener keeps
     its row, and not before or after: a notifying commit waits for every other one."""
     queue = TaskQueue(db)
@@ -152,7 +156,7 @@ def test_a_settle_notifies_only_while_a_producer_listens(db: Database) -> None:
         return
     import psycopg
 
-    url = db.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    url = direct_conninfo(db_url)
     with psycopg.connect(url, autocommit=True) as spy:
         spy.execute(f"LISTEN {wakeups.SETTLED}")
         spy.execute("LISTEN test_marker")

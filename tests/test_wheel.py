@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from tests.support import own_engine
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAP = "raise SystemExit('the user\\'s own {name} was imported')\n"
 
@@ -159,7 +161,7 @@ def test_the_installed_wheel_works_beside_lookalikes(
     for program in ("busctl", "worker", "sweeper"):
         assert "0.1.0" in run(program, "--version").stdout
 
-    engine = sa.create_engine(empty_db_url)
+    engine = own_engine(empty_db_url)
     try:
         with engine.connect() as conn:
             statuses = dict(

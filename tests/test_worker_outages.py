@@ -80,9 +80,12 @@ def test_the_watchdog_outlives_a_database_outage_and_nothing_runs_twice(
         spec = TaskSpec(agent="codex", command="x", models=("sim/a",), payload=payload)
         return queue.enqueue(spec).id
 
+    # Through PgBouncer the outage lasts its server_login_retry (1 s in the tests) longer
+    # than the server's: a worker that gave up sooner would exit just after it.
+    retry_sec = "3" if "pooler=transaction" in db_url else "0.5"
     env = {
         "AGENTBUS_SIM_JOURNAL": str(journal),
-        "AGENTBUS_DB_RETRY_SEC": "0.5",
+        "AGENTBUS_DB_RETRY_SEC": retry_sec,
         "AGENTBUS_SQLITE_BUSY_TIMEOUT_MS": "100",
     }
     args = ("--agent", "codex", "--db", db_url, "--lease", str(lease), "--poll", "0.05")

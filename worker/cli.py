@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import click
 
@@ -61,6 +62,8 @@ log = get_logger("agentbus.worker")
 def worker(
     agent: str,
     db_url: str | None,
+    pooler: str | None,
+    listen_url: str | None,
     config_file: str | None,
     drain: bool,
     max_tasks: int | None,
@@ -79,7 +82,7 @@ def worker(
         raise click.BadParameter(f"invalid agent name {agent!r}", param_hint="--agent")
     started = cli.start_up()
     overrides = {
-        "database_url": db_url,
+        **cli.db_overrides(db_url, pooler, listen_url),
         "lease_sec": lease_sec,
         "poll_sec": poll_sec,
         "grace_sec": grace_sec,
@@ -110,7 +113,13 @@ def worker(
 
     cli.import_driver(config.settings.database_url)
     settings = config.settings
-    db = Database.from_settings(settings, threads=settings.concurrency, no_bitmap_scans=True)
+    db = Database.from_settings(
+        settings,
+        threads=settings.concurrency,
+        no_bitmap_scans=True,
+        name=f"agentbus-worker:{agent}:{socket.gethostname()}:{os.getpid()}",
+        connections=connections_for(settings.concurrency),
+    )
     try:
         db.require_migrated()
         options = Options(
@@ -129,6 +138,13 @@ def worker(
         return runner.run()
     finally:
         db.dispose()
+
+
+def connections_for(concurrency: int) -> int:
+    """PostgreSQL connections a worker opens at most: the claims' own two (given back
+    when it idles) and one in the pool; with tasks running side by side, one more while
+    they settle at once (a task holds one only to read or write, never during its call)."""
+    return min(2 + concurrency, 4)
 
 
 def main() -> None:

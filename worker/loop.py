@@ -99,13 +99,17 @@ class Worker:
         self._wake = threading.Event()  # a task was queued for us, or stop: look now
         self._look_when_due = False  # an idle wait ended by a wake-up: see _wait_for_work
         self._listener: wakeups.Listener | None = None
-        if db.dialect == "postgresql" and not options.drain:
-            conninfo = db.engine.url.set(drivername="postgresql")
+        if db.listen_conninfo is not None and not options.drain:
             self._listener = wakeups.Listener(
-                conninfo.render_as_string(hide_password=False),
+                db.listen_conninfo,
                 self._wake.set,
                 payload=options.agent,
+                application_name=db.application_name,
             )
+        # Looks for due tasks through the pooler, ever less often while idle (PostgreSQL
+        # behind a pooler with no listen_url); SQLite looks every LOOK_SEC.
+        self._pooled_looks = db.dialect == "postgresql" and self._listener is None
+        self._idle_since: float | None = None  # time.monotonic() of the first empty claim
         self._slots = (
             ThreadPoolExecutor(options.concurrency, thread_name_prefix="slot")
             if options.concurrency > 1
@@ -168,8 +172,12 @@ class Worker:
                 if not tasks:
                     if self.options.drain and not self._in_slots:
                         break
+                    self._went_idle()
                     self._wait_for_work()
                     continue
+                if self._idle_since is not None:
+                    self._idle_since = None
+                    self.queue.db.pinned.rest(False)
                 processed += len(tasks)
                 with self._lock:
                     self._held.update((task.id, task) for task in tasks)
@@ -220,12 +228,22 @@ class Worker:
             return True
         return False
 
+    def _went_idle(self) -> None:
+        """A claim found nothing: once that has lasted ``wakeups.REST_SEC`` with no task
+        running, the claims' own connection is given back (an idle worker holds one)."""
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        elif now - self._idle_since >= wakeups.REST_SEC and not self._in_slots:
+            self.queue.db.pinned.rest()
+
     def _wait_for_work(self) -> None:
         """Idle: return when a task may be due — notified (PostgreSQL), seen by a cheap
-        look every LOOK_SEC (SQLite) — when a slot frees, on a stop, or after
-        ``poll_sec`` in any case. After a wake-up whose claim found nothing due
-        (PostgreSQL), it ends when the agent's earliest queued task is due, if sooner: a
-        task delayed a little, or stamped by a clock a little ahead, is claimed on time."""
+        look every LOOK_SEC (SQLite; through a pooler, ``wakeups.look_sec``) — when a
+        slot frees, on a stop, or after ``poll_sec`` in any case. After a wake-up whose
+        claim found nothing due (PostgreSQL), it ends when the agent's earliest queued
+        task is due, if sooner: a task delayed a little, or stamped by a clock a little
+        ahead, is claimed on time."""
         look = self._listener is None
         due_in = self.queue.due_in(self.options.agent) if self._look_when_due and not look else None
         self._look_when_due = False
@@ -239,11 +257,15 @@ class Worker:
                 # At a task's time: should the claim find it a hair early, look again.
                 self._look_when_due = due_in is not None and 0 < due_in < self.options.poll_sec
                 return
-            if self._wait(min(wakeups.LOOK_SEC, left) if look else left):
+            every = wakeups.look_sec(self._idle_for(), pooled=self._pooled_looks)
+            if self._wait(min(every, left) if look else left):
                 self._look_when_due = True
                 return
             if look and self.queue.has_due(self.options.agent):
                 return
+
+    def _idle_for(self) -> float:
+        return 0.0 if self._idle_since is None else time.monotonic() - self._idle_since
 
     def _backing_off(self) -> bool:
         """After genuine failures: acknowledge what is done and wait (no claim) until the

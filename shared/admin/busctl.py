@@ -35,9 +35,15 @@ if TYPE_CHECKING:
 @cli.config_option
 @click.version_option(package_name="agentbus")
 @click.pass_context
-def busctl(ctx: click.Context, db_url: str | None, config_file: str | None) -> None:
+def busctl(
+    ctx: click.Context,
+    db_url: str | None,
+    pooler: str | None,
+    listen_url: str | None,
+    config_file: str | None,
+) -> None:
     """Administer an agentbus queue: migrate, enqueue, inspect, steer."""
-    ctx.obj = Context.of(load_config(config_file, {"database_url": db_url}))
+    ctx.obj = Context.of(load_config(config_file, cli.db_overrides(db_url, pooler, listen_url)))
     ctx.call_on_close(lambda: ctx.obj._db.dispose() if ctx.obj._db else None)
 
 

@@ -24,11 +24,12 @@ class Context:
     catalog: Catalog | None = None
     _db: Database | None = field(default=None, init=False)
 
-    def database(self, *, migrated: bool = True) -> Database:
+    def database(self, *, migrated: bool = True, name: str = "agentbus-busctl") -> Database:
+        """``name``: its connections' ``application_name`` (``serve`` names its own)."""
         from agentbus.db import Database
 
         if self._db is None:
-            self._db = Database.from_settings(self.settings)
+            self._db = Database.from_settings(self.settings, name=name)
             if migrated:
                 self._db.require_migrated()
             else:

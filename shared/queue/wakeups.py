@@ -3,9 +3,11 @@
 On PostgreSQL the transaction that queues tasks sends ``NOTIFY agentbus_queued``
 with the agent's name (delivered on commit); an idle worker of that agent
 LISTENs on its own connection and claims within milliseconds. SQLite has no
-such thing: there an idle worker looks every ``LOOK_SEC`` (50 ms) with a read
-(``TaskQueue.has_due``: an index lookup that takes no lock) and claims only
-when something is due. Either way a worker also tries a claim every
+such thing, nor does PostgreSQL through a transaction pooler (a LISTEN is a
+session's; ``listen_url`` gives a direct connection for it): there an idle worker
+looks every ``LOOK_SEC`` (50 ms; through a pooler ever less often while the quiet
+lasts, ``look_sec``) with a read (``TaskQueue.has_due``: an index lookup that takes
+no lock) and claims only when something is due. Either way a worker also tries a claim every
 ``poll_sec``: a notification is a hint, and a task whose ``run_after`` has
 just come sends none. A notified worker that finds nothing due (a task queued
 with a delay; or one stamped by a producer whose reading of the database's
@@ -41,6 +43,14 @@ log = get_logger("agentbus.wakeups")
 CHANNEL = "agentbus_queued"
 SETTLED = "agentbus_settled"  # a task reached an end (done, failed, error, cancelled)
 LOOK_SEC = 0.05
+#: Behind a pooler with no ``listen_url`` a PostgreSQL worker cannot LISTEN: it looks
+#: every LOOK_SEC for POOLED_FAST_SEC after its last task, then ever less often, up to
+#: every POOLED_LOOK_MAX_SEC (a fleet of idle workers costs the server little; the first
+#: task after a long quiet waits up to that long).
+POOLED_FAST_SEC = 5.0
+POOLED_LOOK_MAX_SEC = 0.5
+#: An idle worker gives back its claims' own connection after this long.
+REST_SEC = 5.0
 #: A worker woken for a task its claim did not find due looks again this soon at the
 #: earliest (the task is due by the producer's clock but not yet by the worker's).
 AGAIN_SEC = 0.005
@@ -48,6 +58,14 @@ AGAIN_SEC = 0.005
 #: a third of the way in.
 LISTENER_TTL_SEC = 30.0
 _NOTIFY = sa.select(sa.func.pg_notify(CHANNEL, sa.bindparam("agent")))
+
+
+def look_sec(idle_sec: float, *, pooled: bool) -> float:
+    """How long an idle worker waits between looks for due tasks, ``idle_sec`` into its
+    idleness (``pooled``: through a pooler; else every LOOK_SEC)."""
+    if not pooled or idle_sec <= POOLED_FAST_SEC:
+        return LOOK_SEC
+    return min(LOOK_SEC * 2 ** ((idle_sec - POOLED_FAST_SEC) / 2), POOLED_LOOK_MAX_SEC)
 
 
 def listening() -> sa.Exists:
@@ -107,8 +125,10 @@ class Listener:
         channel: str = CHANNEL,
         payload: str | None = None,
         register: bool = False,
+        application_name: str = "agentbus",
     ) -> None:
         self.conninfo, self.wake = conninfo, wake
+        self.application_name = application_name
         self.channel, self.payload = channel, payload
         self.register = register
         self.name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -130,7 +150,12 @@ class Listener:
 
         while not self._closed.is_set():
             try:
-                with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=10) as conn:
+                with psycopg.connect(
+                    self.conninfo,
+                    autocommit=True,
+                    connect_timeout=10,
+                    application_name=self.application_name,
+                ) as conn:
                     conn.execute(f"LISTEN {self.channel}")
                     renew = self._keep_row(conn, 0.0)
                     self.wake()

@@ -1,0 +1,246 @@
+"""PostgreSQL connections at fleet scale, direct and through PgBouncer in transaction mode:
+each process holds few, names them, and outlives a server or pooler that is full."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+from agentbus.db import Database
+from agentbus.queue import TaskQueue, reads
+from agentbus.queue.tasks import TaskSpec
+from tests import pgbouncer
+from tests.conftest import BACKENDS, PG_URL, Backends, Pooled, _pg_conninfo
+from tests.support import Proc, enqueue_held, wait_until, waiting
+
+pytestmark = pytest.mark.process
+Spawn = Callable[..., Proc]
+POSTGRES = BACKENDS[1:]  # direct, and through the session's PgBouncer
+
+
+def worker_name(proc: Proc, agent: str = "codex") -> str:
+    return f"agentbus-worker:{agent}:{socket.gethostname()}:{proc.popen.pid}"
+
+
+def held_by(backends: Backends, backend: str, url: str, name: str) -> int:
+    """Connections named ``name`` open now: on the server (direct), or on the pooler as
+    its clients (through PgBouncer, where a server connection serves whoever asks)."""
+    if isinstance(backend, Pooled):
+        rows = backends.bouncer().admin("SHOW CLIENTS")
+        return sum(1 for row in rows if row[-1] == name)
+    dbname = sa.make_url(url).database
+    with psycopg.connect(_pg_conninfo(), autocommit=True) as conn:
+        found = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND application_name = %s",
+            (dbname, name),
+        ).fetchone()
+    return int(found[0]) if found else 0
+
+
+@pytest.fixture
+def queue(db_url: str) -> Iterator[TaskQueue]:
+    db = Database(db_url)
+    yield TaskQueue(db)
+    db.dispose()
+
+
+@pytest.mark.parametrize("backend", POSTGRES, indirect=True)
+def test_a_worker_names_its_connections_and_holds_few_busy_or_idle(
+    backends: Backends, backend: str, db_url: str, queue: TaskQueue, spawn: Spawn, tmp_path: Path
+) -> None:
+    gates = [tmp_path / f"gate{i}" for i in range(16)]
+    ids = enqueue_held(queue, gates)
+    proc = spawn("worker", "--agent", "codex", "--db", db_url, "--concurrency", "16")
+    name = worker_name(proc)
+    wait_until(lambda: len(waiting(gates)) == 16, timeout=90)  # 16 calls in flight
+    listener = 0 if isinstance(backend, Pooled) else 1  # direct: LISTENs on one more
+    busy = held_by(backends, backend, db_url, name)
+    assert 1 <= busy <= 4 + listener
+    for gate in gates:
+        gate.touch()
+    wait_until(lambda: all(queue.get(i).status == "done" for i in ids), timeout=90)
+    # Idle for wakeups.REST_SEC: the claims' own connections go back, one stays pooled.
+    wait_until(lambda: held_by(backends, backend, db_url, name) <= 1 + listener, timeout=60)
+    sweeper = spawn("sweeper", "--db", db_url, "--interval", "0.2")
+    wait_until(lambda: sweeper.text().count("sweep_pass") >= 3, timeout=60)
+    assert held_by(backends, backend, db_url, "agentbus-sweeper") == 1
+    assert "sweep_job_failed" not in sweeper.text()
+    assert proc.popen.poll() is None and sweeper.popen.poll() is None
+
+
+@pytest.mark.parametrize("backend", POSTGRES, indirect=True)
+def test_busctl_and_the_api_name_their_connections(
+    backends: Backends, backend: str, db_url: str, run_busctl: Callable[..., object]
+) -> None:
+    from agentbus.client import AgentBus
+
+    with AgentBus(db_url) as bus:
+        bus.enqueue("codex", "hello", models=["sim/a"])
+        assert held_by(backends, backend, db_url, "agentbus-api") in (1, 2, 3)
+        if isinstance(backend, Pooled):  # PgBouncer passes the name on to the server
+            direct = sa.make_url(db_url).set(port=sa.make_url(PG_URL).port)
+            assert held_by(backends, "postgresql", direct.render_as_string(False), "agentbus-api")
+    done = run_busctl("--db", db_url, "status")
+    assert done.returncode == 0, done.stderr  # type: ignore[attr-defined]
+    # A name of the user's own, in the URL, wins.
+    mine = sa.make_url(db_url).update_query_dict({"application_name": "billing-job"})
+    with AgentBus(mine.render_as_string(False)) as bus:
+        bus.enqueue("codex", "hello", models=["sim/a"])
+        assert held_by(backends, backend, db_url, "billing-job") >= 1
+        assert held_by(backends, backend, db_url, "agentbus-api") == 0
+
+
+def test_a_pooler_value_that_is_not_known_is_one_line(
+    run_busctl: Callable[..., object], tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'bus.db'}"
+    for args, env in (
+        (["--pooler", "session", "--db", url, "migrate"], {}),
+        (["--db", url, "migrate"], {"AGENTBUS_POOLER": "session"}),
+        (["--db", f"{PG_URL}?pooler=session", "migrate"], {}),
+    ):
+        done = run_busctl(*args, env=env)
+        assert done.returncode != 0, args  # type: ignore[attr-defined]
+        lines = done.stderr.strip().splitlines()  # type: ignore[attr-defined]
+        assert len(lines) == 1 and "session" in lines[0] and "transaction" in lines[0], lines
+        assert "Traceback" not in done.stderr  # type: ignore[attr-defined]
+    assert not (tmp_path / "bus.db").exists()
+
+
+@pytest.mark.parametrize("backend", POSTGRES[1:], indirect=True)
+def test_a_listen_url_that_does_not_connect_stops_the_worker_with_one_line(
+    db_url: str, queue: TaskQueue, spawn: Spawn
+) -> None:
+    task = queue.enqueue(TaskSpec(agent="codex", command="x", models=("sim/a",)))
+    nowhere = "postgresql+psycopg://postgres:hunter2@127.0.0.1:1/postgres"
+    proc = spawn("worker", "--agent", "codex", "--db", db_url, "--listen-url", nowhere)
+    assert proc.wait() == 3
+    lines = proc.text().strip().splitlines()
+    assert len(lines) == 1 and "listen_url" in lines[0] and "hunter2" not in lines[0], lines
+    assert queue.get(task.id).status == "queued" and queue.get(task.id).attempts == 0
+
+
+@contextlib.contextmanager
+def hogs(bouncer: pgbouncer.PgBouncer, dbname: str, n: int) -> Iterator[list[psycopg.Connection]]:
+    conns = [
+        psycopg.connect(
+            f"host=127.0.0.1 port={bouncer.port} user={bouncer.user} dbname={dbname}",
+            autocommit=True,
+            prepare_threshold=None,
+        )
+        for _ in range(n)
+    ]
+    try:
+        yield conns
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def retries_logged(proc: Proc) -> list[dict[str, object]]:
+    return [e for e in proc.events() if e.get("event") == "db_retry" and e["level"] == "warning"]
+
+
+@pytest.mark.parametrize("backend", POSTGRES[1:], indirect=True)
+def test_a_worker_waits_for_a_full_pooler_at_start_and_runs_each_task_once(
+    db_url: str, queue: TaskQueue, spawn: Spawn, tmp_path: Path
+) -> None:
+    """Every client slot of the pooler (max_client_conn) is taken when the worker starts:
+    it says so once, waits, and drains every task once as soon as the slots free."""
+    dbname = sa.make_url(db_url).database or ""
+    ids = [
+        queue.enqueue(TaskSpec(agent="codex", command=f"t{i}", models=("sim/a",))).id
+        for i in range(5)
+    ]
+    with pgbouncer.pgbouncer(PG_URL, max_client_conn=3) as bouncer:
+        url = bouncer.url(dbname)
+        with hogs(bouncer, dbname, 3):
+            proc = spawn("worker", "--agent", "codex", "--db", url, "--drain", "--log-json")
+            wait_until(lambda: retries_logged(proc), timeout=60)
+        assert proc.wait(90) == 0
+    assert "Traceback" not in proc.text()
+    assert [(queue.get(i).status, queue.get(i).attempts) for i in ids] == [("done", 1)] * 5
+    (said,) = retries_logged(proc)
+    assert "no more connections allowed" in str(said["error"])
+
+
+@pytest.mark.parametrize("backend", POSTGRES[1:], indirect=True)
+def test_a_pooler_that_makes_queries_wait_too_long_is_survived_mid_run(
+    db_url: str, queue: TaskQueue, spawn: Spawn, tmp_path: Path
+) -> None:
+    """The pooler's one server connection is held by another client while the worker's
+    call runs: settling waits in the pooler until query_wait_timeout ends it; the worker
+    says so once, retries with backoff, and every task ends done once."""
+    dbname = sa.make_url(db_url).database or ""
+    gates = [tmp_path / f"gate{i}" for i in range(3)]
+    ids = enqueue_held(queue, gates)
+    with pgbouncer.pgbouncer(PG_URL, default_pool_size=1, query_wait_timeout=1) as bouncer:
+        url = bouncer.url(dbname)
+        proc = spawn("worker", "--agent", "codex", "--db", url, "--drain", "--log-json")
+        wait_until(lambda: waiting(gates[:1]), timeout=60)  # the first call runs
+        with hogs(bouncer, dbname, 1) as (hog,):
+            hog.execute("BEGIN")
+            hog.execute("SELECT 1")  # holds the pool's one server connection
+            gates[0].touch()  # the call ends: settling it waits for a server connection
+            wait_until(lambda: retries_logged(proc), timeout=60)
+            hog.execute("COMMIT")
+        for gate in gates[1:]:
+            gate.touch()
+        assert proc.wait(90) == 0
+    assert "Traceback" not in proc.text()
+    assert [(queue.get(i).status, queue.get(i).attempts) for i in ids] == [("done", 1)] * 3
+    (said,) = retries_logged(proc)
+    assert "query_wait_timeout" in str(said["error"])
+
+
+@pytest.mark.parametrize("backend", POSTGRES[1:], indirect=True)
+def test_a_pooler_left_unsaid_is_one_line_and_changes_nothing(
+    db_url: str, queue: TaskQueue, run_busctl: Callable[..., object]
+) -> None:
+    """Through PgBouncer with pooler = none, a statement prepared by one process meets
+    another's on the same server connection: a clear line saying what to set, never a
+    traceback, and the refused enqueue writes nothing."""
+    from agentbus.client import AgentBus
+    from agentbus.errors import ConfigError
+
+    unsaid = sa.make_url(db_url).difference_update_query(["pooler"]).render_as_string(False)
+    runs = [
+        run_busctl("--db", unsaid, "enqueue", "--agent", "codex", "--models", "sim/a", f"t{i}")
+        for i in range(3)
+    ]
+    refused = [done for done in runs if done.returncode != 0]  # type: ignore[attr-defined]
+    assert refused, "every enqueue went through a pooler that loses prepared statements"
+    for done in refused:
+        lines = done.stderr.strip().splitlines()  # type: ignore[attr-defined]
+        assert done.returncode == 2 and len(lines) == 1, lines  # type: ignore[attr-defined]
+        assert "pooler = transaction" in lines[0] and "Traceback" not in lines[0]
+    with AgentBus(unsaid) as bus, pytest.raises(ConfigError, match="pooler = transaction"):
+        bus.enqueue("codex", "api", models=["sim/a"])
+    commands = [task.command for task in reads.list_tasks(queue.db, agent="codex")]
+    assert len(commands) == len(runs) - len(refused) and "api" not in commands
+
+
+@pytest.mark.parametrize("backend", POSTGRES[1:], indirect=True)
+def test_busctl_migrates_through_the_pooler(
+    empty_db_url: str, run_busctl: Callable[..., object]
+) -> None:
+    """Alembic's upgrade is one transaction and keeps nothing in the session: it runs
+    through a transaction pooler as directly, and the schema is then in use."""
+    done = run_busctl("--db", empty_db_url, "migrate")
+    assert done.returncode == 0, done.stderr  # type: ignore[attr-defined]
+    done = run_busctl("--db", empty_db_url, "migrate")  # at head: nothing to do
+    assert done.returncode == 0, done.stderr  # type: ignore[attr-defined]
+    enqueued = run_busctl("--db", empty_db_url, "enqueue", "--agent", "a", "--models", "sim/a", "x")
+    assert enqueued.returncode == 0, enqueued.stderr  # type: ignore[attr-defined]
+    db = Database(empty_db_url)
+    try:
+        task = TaskQueue(db).get(int(enqueued.stdout.strip()))  # type: ignore[attr-defined]
+        assert task.status == "queued"
+    finally:
+        db.dispose()
