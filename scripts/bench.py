@@ -73,6 +73,13 @@ Workload (per backend):
   time against the best possible, peak RSS, connections held
   (scripts/concurrency_bench.py).
 
+- through a transaction pooler (``--backends pgbouncer``): a PgBouncer of the
+  run's own in front of the server; 2 ``worker --drain`` processes at batch 1
+  and 10, directly and through it, alternated, best of 2 each; the
+  enqueue-to-claim latency above through it, polling and with a direct
+  ``listen_url``; the statements an idle worker sends through it a second, from
+  PgBouncer's SHOW STATS (scripts/pooler_bench.py).
+
 - start-up: each console command run 10 times from exec to exit (--help,
   --version, an enqueue and a status on SQLite); median and max.
 
@@ -108,6 +115,7 @@ import floor
 import latency
 import machine
 import measure
+import pooler_bench
 import psycopg
 import sqlalchemy as sa
 import startup
@@ -153,7 +161,14 @@ def database(backend: str, synchronous: str) -> Iterator[str]:
         db = Database(url)
         migrate(db)
         db.dispose()
-        yield url
+        if backend != "pgbouncer":
+            yield url
+            return
+        bouncer = pooler_bench.start(PG_URL)
+        try:
+            yield bouncer.url(name)  # ?pooler=transaction
+        finally:
+            bouncer.stop()
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
@@ -386,7 +401,14 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backends", default="sqlite,postgresql")
+    parser.add_argument(
+        "--backends",
+        default="sqlite,postgresql",
+        help="of sqlite, postgresql, pgbouncer (what a transaction pooler costs)",
+    )
+    parser.add_argument(
+        "--idle-sec", type=float, default=20.0, help="pgbouncer: idle statements counted so long"
+    )
     parser.add_argument("--tasks", type=int, default=10_000, help="tasks per drain run")
     parser.add_argument("--single", type=int, default=2_000, help="single enqueues")
     parser.add_argument("--processes", default="1,2,4")
@@ -435,7 +457,14 @@ def main() -> None:
         rows += [("machine", *row) for row in machine.rows(where, args.sqlite_synchronous)]
         for backend in backends:
             with database(backend, args.sqlite_synchronous) as url:
-                rows += [(backend, *row) for row in bench_backend(url, args)]
+                if backend == "pgbouncer":  # beside the same database reached directly
+                    direct = sa.make_url(PG_URL).set(database=sa.make_url(url).database)
+                    pooled = pooler_bench.rows(
+                        url, direct.render_as_string(False), args.tasks // 2, args.idle_sec
+                    )
+                    rows += [(backend, *row) for row in pooled]
+                else:
+                    rows += [(backend, *row) for row in bench_backend(url, args)]
                 print(f"# {backend} done", file=sys.stderr)
 
     print_table(["backend", "measure", "figure"], rows)

@@ -76,14 +76,22 @@ def resume(url: str, synchronous: str, tasks: int = 20) -> list[tuple[str, str]]
     ]
 
 
-def wakeup(url: str, synchronous: str, tasks: int = 20) -> list[tuple[str, str]]:
+def wakeup(
+    url: str, synchronous: str, tasks: int = 20, env: dict[str, str] | None = None
+) -> list[tuple[str, str]]:
     """How soon an idle worker claims a task after its enqueue (PostgreSQL: notified;
-    SQLite: adaptive polling). One ``worker`` with the default ``poll_sec``; tasks are
-    enqueued one at a time, 0.2 to 1.5 s apart (so they land anywhere in a poll);
-    the latency is the claim event's time minus the enqueue event's."""
+    SQLite, or through a pooler with no ``listen_url``: adaptive polling). One
+    ``worker`` with the default ``poll_sec`` (and ``env``); tasks are enqueued one at a
+    time, 0.2 to 1.5 s apart (so they land anywhere in a poll); the latency is the
+    claim event's time minus the enqueue event's."""
     db = Database(url, sqlite_synchronous=synchronous)
     queue = TaskQueue(db)
-    env = {**os.environ, "AGENTBUS_DATABASE_URL": url, "AGENTBUS_SQLITE_SYNCHRONOUS": synchronous}
+    env = {
+        **os.environ,
+        "AGENTBUS_DATABASE_URL": url,
+        "AGENTBUS_SQLITE_SYNCHRONOUS": synchronous,
+        **(env or {}),
+    }
     worker = subprocess.Popen(
         [str(Path(sys.executable).parent / "worker"), "--agent", "wake"],
         env=env,

@@ -245,7 +245,8 @@ class AgentBus:
         return {i: task for i, task in tasks.items() if task.status.value in ends}
 
     def _look_max(self) -> float:
-        return LISTENING_LOOK_MAX_SEC if self._listener is not None else SQLITE_LOOK_MAX_SEC
+        heard = self._listener is not None and self._listener.listening.is_set()
+        return LISTENING_LOOK_MAX_SEC if heard else SQLITE_LOOK_MAX_SEC
 
     def _listen(self) -> None:
         """PostgreSQL: hear settled tasks from the first wait on (one connection)."""

@@ -244,3 +244,54 @@ def test_busctl_migrates_through_the_pooler(
         assert task.status == "queued"
     finally:
         db.dispose()
+
+
+@pytest.mark.parametrize("backend", POSTGRES[1:], indirect=True)
+def test_a_listen_url_lost_mid_run_is_said_once_and_the_worker_polls(
+    db_url: str, queue: TaskQueue, spawn: Spawn
+) -> None:
+    """The worker listens through a route of its own (here a second PgBouncer); when
+    that route goes, it says so once however often it tries again, and it finds a task
+    queued meanwhile by looking, long before its next claim (--poll 60)."""
+    dbname = sa.make_url(db_url).database or ""
+    with pgbouncer.pgbouncer(PG_URL) as route:
+        listen = route.url(dbname, pooler=False)
+        env = {"AGENTBUS_LOG_LEVEL": "DEBUG"}
+        args = ("--agent", "codex", "--db", db_url, "--listen-url", listen, "--poll", "60")
+        proc = spawn("worker", *args, "--log-json", env=env)
+        wait_until(lambda: worker_name(proc) in [row[-1] for row in route.admin("SHOW CLIENTS")])
+    # Gone: every try fails; a task queued now is found by the worker's looks.
+    task = queue.enqueue(TaskSpec(agent="codex", command="x", models=("sim/noop",))).id
+    wait_until(lambda: queue.get(task).status == "done", timeout=30)
+
+    def unavailable(level: str) -> list[dict[str, object]]:
+        said = [e for e in proc.events() if e.get("event") == "wakeups_unavailable"]
+        return [e for e in said if e["level"] == level]
+
+    wait_until(lambda: unavailable("debug"), timeout=30)  # it has tried again since
+    assert len(unavailable("warning")) == 1
+    assert proc.popen.poll() is None
+    assert "Traceback" not in proc.text()
+
+
+@pytest.mark.parametrize("backend", POSTGRES, indirect=True)
+def test_serve_names_its_connections(
+    backends: Backends, backend: str, db_url: str, spawn: Spawn
+) -> None:
+    import httpx
+
+    from tests.support import free_port
+
+    port = free_port()
+    proc = spawn("busctl", "--db", db_url, "serve", "--port", str(port))
+
+    def answers() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(answers, timeout=30)
+    assert held_by(backends, backend, db_url, "agentbus-serve") >= 1
+    assert held_by(backends, backend, db_url, "agentbus-busctl") == 0
+    assert proc.popen.poll() is None

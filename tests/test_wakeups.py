@@ -192,3 +192,18 @@ def test_a_settle_notifies_only_while_a_producer_listens(db: Database, db_url: s
         for settle in settles:
             settle()
             assert not heard_settled()
+
+
+def test_a_worker_polling_through_a_pooler_looks_less_often_the_longer_it_idles() -> None:
+    """Looks every LOOK_SEC while tasks flow and just after; then ever less often, to at
+    most one a POOLED_LOOK_MAX_SEC; claims without a look's finding are rarer still.
+    A worker that hears notifications, or on SQLite, keeps its fixed cadence."""
+    fast = [wakeups.look_sec(t, pooled=True) for t in (0.0, 1.0, wakeups.POOLED_FAST_SEC)]
+    assert fast == [wakeups.LOOK_SEC] * 3
+    later = [wakeups.look_sec(wakeups.POOLED_FAST_SEC + t, pooled=True) for t in (1, 4, 8, 60)]
+    assert later == sorted(later) and later[0] > wakeups.LOOK_SEC
+    assert later[-1] == wakeups.POOLED_LOOK_MAX_SEC == 1.0
+    assert wakeups.look_sec(3600.0, pooled=False) == wakeups.LOOK_SEC
+    assert wakeups.claim_every(1.0, pooled=True) == wakeups.POOLED_CLAIM_SEC
+    assert wakeups.claim_every(1.0, pooled=False) == 1.0
+    assert wakeups.claim_every(30.0, pooled=True) == 30.0  # a longer poll_sec stands

@@ -240,14 +240,15 @@ class Worker:
     def _wait_for_work(self) -> None:
         """Idle: return when a task may be due — notified (PostgreSQL), seen by a cheap
         look every LOOK_SEC (SQLite; through a pooler, ``wakeups.look_sec``) — when a
-        slot frees, on a stop, or after ``poll_sec`` in any case. After a wake-up whose
+        slot frees, on a stop, or after ``poll_sec`` in any case (through a pooler,
+        ``wakeups.claim_every``: its looks see what a claim would). After a wake-up whose
         claim found nothing due (PostgreSQL), it ends when the agent's earliest queued
         task is due, if sooner: a task delayed a little, or stamped by a clock a little
         ahead, is claimed on time."""
-        look = self._listener is None
+        look = self._listener is None or not self._listener.listening.is_set()
         due_in = self.queue.due_in(self.options.agent) if self._look_when_due and not look else None
         self._look_when_due = False
-        wait = self.options.poll_sec
+        wait = wakeups.claim_every(self.options.poll_sec, pooled=self._pooled_looks)
         if due_in is not None and due_in < wait:  # end at that task's time
             wait = max(due_in, wakeups.AGAIN_SEC)
         deadline = time.monotonic() + wait

@@ -35,6 +35,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from agentbus.db import first_line
 from agentbus.logging import get_logger
 from agentbus.schema import settle_listeners
 
@@ -45,10 +46,13 @@ SETTLED = "agentbus_settled"  # a task reached an end (done, failed, error, canc
 LOOK_SEC = 0.05
 #: Behind a pooler with no ``listen_url`` a PostgreSQL worker cannot LISTEN: it looks
 #: every LOOK_SEC for POOLED_FAST_SEC after its last task, then ever less often, up to
-#: every POOLED_LOOK_MAX_SEC (a fleet of idle workers costs the server little; the first
-#: task after a long quiet waits up to that long).
+#: every POOLED_LOOK_MAX_SEC (a fleet of idle workers costs the server about a statement
+#: a second each; the first task after a long quiet waits up to that long). A look sees
+#: what a claim would, so such a worker claims only on a look that found a task, or
+#: every POOLED_CLAIM_SEC at least (not every ``poll_sec``).
 POOLED_FAST_SEC = 5.0
-POOLED_LOOK_MAX_SEC = 0.5
+POOLED_LOOK_MAX_SEC = 1.0
+POOLED_CLAIM_SEC = 10.0
 #: An idle worker gives back its claims' own connection after this long.
 REST_SEC = 5.0
 #: A worker woken for a task its claim did not find due looks again this soon at the
@@ -58,6 +62,12 @@ AGAIN_SEC = 0.005
 #: a third of the way in.
 LISTENER_TTL_SEC = 30.0
 _NOTIFY = sa.select(sa.func.pg_notify(CHANNEL, sa.bindparam("agent")))
+
+
+def claim_every(poll_sec: float, *, pooled: bool) -> float:
+    """How often an idle worker claims with nothing seen due (``pooled``: it looks
+    through a pooler, and a look sees what a claim would)."""
+    return max(poll_sec, POOLED_CLAIM_SEC) if pooled else poll_sec
 
 
 def look_sec(idle_sec: float, *, pooled: bool) -> float:
@@ -110,8 +120,10 @@ def settled(conn: Connection) -> None:
 class Listener:
     """Calls ``wake()`` whenever ``channel`` is notified with ``payload`` (None: any) — a
     task of an agent queued, or tasks settled — from a thread LISTENing on its own
-    PostgreSQL connection; it reconnects after an error, and wakes its owner then
-    too, since something may have happened meanwhile.
+    PostgreSQL connection. ``listening`` is set while it does: when its connection is
+    lost it wakes its owner (who looks for itself meanwhile), says so once for the
+    whole outage, reconnects every 5 s, and wakes its owner again once back, since
+    something may have happened meanwhile.
 
     With ``register`` (the settled tasks' channel) it keeps a row of
     ``settle_listeners`` current while it listens, so that settles notify; it wakes
@@ -132,6 +144,9 @@ class Listener:
         self.channel, self.payload = channel, payload
         self.register = register
         self.name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        #: Set while it listens: until then, and while its database is away, its owner
+        #: looks for itself (a worker polls as it would with no listener).
+        self.listening = threading.Event()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="wakeups", daemon=True)
 
@@ -148,6 +163,7 @@ class Listener:
     def _run(self) -> None:
         import psycopg
 
+        away = False  # an episode of failures is said once, at its start
         while not self._closed.is_set():
             try:
                 with psycopg.connect(
@@ -158,6 +174,10 @@ class Listener:
                 ) as conn:
                     conn.execute(f"LISTEN {self.channel}")
                     renew = self._keep_row(conn, 0.0)
+                    self.listening.set()
+                    if away:
+                        away = False
+                        log.info("wakeups_back", channel=self.channel)
                     self.wake()
                     while not self._closed.is_set():
                         for note in conn.notifies(timeout=0.5):
@@ -167,7 +187,15 @@ class Listener:
                     if self.register:
                         conn.execute(_UNREGISTER, {"listener": self.name})
             except Exception as exc:  # the database is away: poll meanwhile, try again
-                log.warning("wakeups_unavailable", error=f"{type(exc).__name__}: {exc}")
+                if self.listening.is_set():  # its owner waits on it: look for itself
+                    self.listening.clear()
+                    self.wake()
+                error = f"{type(exc).__name__}: {first_line(exc)}"
+                if not away:
+                    away = True
+                    log.warning("wakeups_unavailable", error=error, effect="polling meanwhile")
+                else:
+                    log.debug("wakeups_unavailable", error=error)
                 self._closed.wait(5.0)
 
     def _keep_row(self, conn: Any, renew: float) -> float:
