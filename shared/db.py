@@ -233,8 +233,14 @@ class Database:
             if no_bitmap_scans and self.pooler == "none":  # a session's setting
                 sa.event.listen(self.engine, "connect", _no_bitmap_scans)
             if listen_url:
-                listen = parse_url(listen_url)
-                self.listen_conninfo = _conninfo(_split_pooler(listen)[0])
+                listen, said = _split_pooler(parse_url(listen_url))
+                if said == "transaction" or (self.pooler == "transaction" and listen == self.url):
+                    # A LISTEN through the pooler would be lost with its transaction.
+                    raise ConfigError(
+                        "listen_url must reach PostgreSQL directly, not through the "
+                        "transaction pooler of the database URL"
+                    )
+                self.listen_conninfo = _conninfo(listen)
             elif self.pooler == "none":
                 self.listen_conninfo = _conninfo(self.url)
         if self.dialect == "postgresql":

@@ -126,6 +126,24 @@ def test_a_listen_url_that_does_not_connect_stops_the_worker_with_one_line(
     assert queue.get(task.id).status == "queued" and queue.get(task.id).attempts == 0
 
 
+@pytest.mark.parametrize("backend", POSTGRES[1:], indirect=True)
+def test_a_listen_url_through_the_pooler_is_one_line(
+    db_url: str, queue: TaskQueue, spawn: Spawn, run_busctl: Callable[..., object]
+) -> None:
+    """A listen_url that is the pooled URL itself, or says ?pooler=transaction, would
+    never hear a notification: refused at start, and nothing is claimed."""
+    task = queue.enqueue(TaskSpec(agent="codex", command="x", models=("sim/a",)))
+    plain = sa.make_url(db_url).difference_update_query(["pooler"]).render_as_string(False)
+    for listen in (db_url, plain):
+        proc = spawn("worker", "--agent", "codex", "--db", db_url, "--listen-url", listen)
+        assert proc.wait() == 2
+        lines = proc.text().strip().splitlines()
+        assert len(lines) == 1 and "listen_url must reach PostgreSQL directly" in lines[0]
+    done = run_busctl("--db", db_url, "--listen-url", db_url, "status")
+    assert done.returncode == 2, done.stderr  # type: ignore[attr-defined]
+    assert queue.get(task.id).status == "queued" and queue.get(task.id).attempts == 0
+
+
 @contextlib.contextmanager
 def hogs(bouncer: pgbouncer.PgBouncer, dbname: str, n: int) -> Iterator[list[psycopg.Connection]]:
     conns = [
