@@ -67,6 +67,12 @@ class Settings:
     db_retry_sec: float = _doc(
         "How long a transient database error (locked, connection lost) is retried.", 30.0
     )
+    db_full_wait_sec: float = _doc(
+        "How long busctl and the producer API wait while PostgreSQL or its pooler refuses "
+        "a connection because all are taken (too many clients); then exit 3 or BusError. "
+        "Workers, the sweeper and serve wait as long as it takes.",
+        30.0,
+    )
     log_level: str = _doc("DEBUG shows every claim and call; INFO, WARNING or ERROR less.", "INFO")
     sqlite_busy_timeout_ms: int = _doc(
         "SQLite: how long a writer waits for the lock before retrying.", 5000
@@ -357,6 +363,7 @@ MAX_CONCURRENCY = 1000
 POSITIVE = (
     "lease_sec",
     "db_retry_sec",
+    "db_full_wait_sec",
     "model_cooldown_sec",
     "model_timeout_cooldown_sec",
     "cooldown_cache_sec",

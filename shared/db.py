@@ -116,6 +116,7 @@ def is_transient(exc: BaseException) -> bool:
 #: (``too many clients already``, a role's or a database's CONNECTION LIMIT), and
 #: PgBouncer's refusals (it sends them all as 08P01, told apart by their text).
 _FULL_SQLSTATE = "53300"
+_SERVER_FULL = ("too many clients", "remaining connection slots are reserved")
 _POOLER_FULL = ("no more connections allowed", "query_wait_timeout", "pgbouncer cannot connect")
 
 
@@ -124,8 +125,8 @@ def is_full(exc: BaseException) -> bool:
     orig = getattr(exc, "orig", None) or exc
     if getattr(orig, "sqlstate", None) == _FULL_SQLSTATE:
         return True
-    text = str(orig)
-    return "too many clients" in text or any(phrase in text for phrase in _POOLER_FULL)
+    text = str(orig)  # at connect time libpq gives the text alone, with no SQLSTATE
+    return any(phrase in text for phrase in _SERVER_FULL + _POOLER_FULL)
 
 
 #: What PostgreSQL answers a statement prepared on one session and run on another, or
@@ -172,6 +173,7 @@ class Database:
         listen_url: str | None = None,
         application_name: str = "agentbus-api",
         connections: int = 3,
+        full_wait_sec: float | None = 30.0,
     ) -> None:
         """``no_bitmap_scans``: a worker's engine (PostgreSQL). Its statements find rows by
         key or through the partial indexes of claimed, queued and open states, whose
@@ -186,7 +188,11 @@ class Database:
         ``?pooler=transaction``) says a transaction pooler stands in front of the server:
         no statement is prepared on the server, nothing is set for a session, and no
         process LISTENs through it (``listen_url``, a direct connection, does).
-        ``application_name`` names every connection in ``pg_stat_activity``."""
+        ``application_name`` names every connection in ``pg_stat_activity``.
+
+        A server or pooler that refuses a connection because every one is taken
+        (``is_full``) is waited out for ``full_wait_sec`` (None: as long as it takes, as
+        the services do), whatever ``retry_for`` allows other transient errors."""
         self.url, in_url = _split_pooler(parse_url(url))
         self.dialect = self.url.get_backend_name()
         self.pooler = "transaction" if "transaction" in (in_url, check_pooler(pooler)) else "none"
@@ -197,6 +203,7 @@ class Database:
         #: The fleet's clock (PostgreSQL: the database's; SQLite: this host's).
         self.clock: Callable[[], float] = clock_for(self)
         self.retry_for = retry_for
+        self.full_wait_sec = full_wait_sec
         self._synchronous = sqlite_synchronous.upper()
         self._relaxed: str | None = None
         self._writers: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
@@ -262,10 +269,13 @@ class Database:
         no_bitmap_scans: bool = False,
         name: str = "agentbus-api",
         connections: int = 3,
+        service: bool = False,
     ) -> Database:
         """The database of ``settings``, its pool sized for ``threads`` that use it at once
         (besides a worker's watchdog and its claims); on PostgreSQL at most ``connections``
-        of its own, each named ``name``."""
+        of its own, each named ``name``. A ``service`` (worker, sweeper, serve) waits out
+        a full server or pooler however long it lasts; busctl and the producer API for
+        the setting ``db_full_wait_sec``."""
         return cls(
             settings.database_url,
             retry_for=settings.db_retry_sec,
@@ -277,6 +287,7 @@ class Database:
             listen_url=settings.listen_url or None,
             application_name=name,
             connections=connections,
+            full_wait_sec=None if service else settings.db_full_wait_sec,
         )
 
     def __repr__(self) -> str:
@@ -348,21 +359,45 @@ class Database:
             _log_first_failure(exc)
         import tenacity  # only once a transient error happened
 
+        def stop(state: tenacity.RetryCallState) -> bool:
+            """A full server for ``full_wait_sec``; anything else for ``retry_for``."""
+            failed = state.outcome.exception() if state.outcome else None
+            limit = self.full_wait_sec if failed is not None and is_full(failed) else self.retry_for
+            return limit is not None and state.seconds_since_start >= limit
+
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(when),
-            stop=tenacity.stop_after_delay(self.retry_for),
+            stop=stop,
+            # Up to 2 s apart, with jitter: a fleet refused at once does not come back
+            # at once.
             wait=tenacity.wait_exponential(multiplier=0.02, max=2.0)
-            + tenacity.wait_random(0, 0.05),
-            before_sleep=_log_retry,
+            + tenacity.wait_random(0, 0.25),
+            before_sleep=self._before_retry,
             reraise=True,
         )
-        return retrying(fn)
+        try:
+            return retrying(fn)
+        except sa.exc.DBAPIError as exc:
+            if not is_full(exc):
+                raise
+            raise DatabaseUnavailable(
+                f"{redact(self.url)} refused every connection for {self.full_wait_sec:g} s "
+                f"(db_full_wait_sec): {first_line(exc.orig)}"
+            ) from None
+
+    def _before_retry(self, state: tenacity.RetryCallState) -> None:
+        _log_retry(state)
+        failed = state.outcome.exception() if state.outcome else None
+        if failed is not None and is_full(failed):
+            # Every process of a fleet may hold one connection and wait for a second:
+            # the hot path's, while no one uses it, goes back for this or another one.
+            self.pinned.give_back()
 
     def check_connection(self) -> None:
         """Fail fast, with one readable line, when the database cannot be reached (nor the
         ``listen_url``, when one is given). A server or pooler that is full (every
-        connection taken) is waited for, up to ``retry_for``: a fleet starting at once
-        gets in as others leave."""
+        connection taken) is waited for, up to ``full_wait_sec``: a fleet starting at
+        once gets in as others leave."""
 
         def connect() -> None:
             with self.engine.connect() as conn:
@@ -484,7 +519,12 @@ class Pinned:
         """``resting``: give the connections back (the caller has gone idle) and send
         the transactions through the pool until ``rest(False)``."""
         self._resting = resting
-        if resting and self._held and self._lock.acquire(blocking=False):
+        if resting:
+            self.give_back()
+
+    def give_back(self) -> None:
+        """Close the connections held, unless in use now (taken again at next use)."""
+        if self._held and self._lock.acquire(blocking=False):
             try:
                 self.close()
             finally:

@@ -43,7 +43,9 @@ def sweeper(
     cli.import_driver(config.settings.database_url)
     # PostgreSQL: one connection kept for its passes; a second only for a moment (the
     # fleet clock's re-reading in the middle of a pass, two jobs at once).
-    db = Database.from_settings(config.settings, name="agentbus-sweeper", connections=2)
+    db = Database.from_settings(
+        config.settings, name="agentbus-sweeper", connections=2, service=True
+    )
     try:
         db.require_migrated()
         sweep = jobs.Sweep(db, LiveConfig(config))

@@ -20,9 +20,12 @@ from tests.support import free_port
 
 
 @contextlib.contextmanager
-def throwaway_cluster(*, tls: bool = False) -> Iterator[tuple[str, Callable[[], None]]]:
+def throwaway_cluster(
+    *, tls: bool = False, settings: dict[str, object] | None = None
+) -> Iterator[tuple[str, Callable[[], None]]]:
     """A migrated database ``bus`` on a cluster of its own: its URL, and a way to restart
-    the cluster. ``tls``: the server offers TLS (a self-signed certificate)."""
+    the cluster. ``tls``: the server offers TLS (a self-signed certificate);
+    ``settings``: the server's own (``max_connections``…)."""
     bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
     needed = {"initdb": bool(bins), "openssl": not tls or shutil.which("openssl") is not None}
     missing = [tool for tool, found in needed.items() if not found]
@@ -39,6 +42,7 @@ def throwaway_cluster(*, tls: bool = False) -> Iterator[tuple[str, Callable[[], 
     port = free_port()
     data = root / "data"
     options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1"
+    options += "".join(f" -c {name}={value}" for name, value in (settings or {}).items())
     pg_ctl = [*run_as, str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w"]
     subprocess.run(
         [*run_as, str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust"],

@@ -4,6 +4,7 @@ each process holds few, names them, and outlives a server or pooler that is full
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -313,3 +314,111 @@ def test_serve_names_its_connections(
     assert held_by(backends, backend, db_url, "agentbus-serve") >= 1
     assert held_by(backends, backend, db_url, "agentbus-busctl") == 0
     assert proc.popen.poll() is None
+
+
+def test_a_fleet_over_a_small_servers_connections_drains_every_task_once(spawn: Spawn) -> None:
+    """The server lets the fleet have 6 connections (max_connections 8, 2 kept for
+    superusers) and the fleet asks for more: see ``drain_over_the_limit``."""
+    from tests.pg_cluster import throwaway_cluster
+
+    settings = {"max_connections": 8, "superuser_reserved_connections": 2}
+    with throwaway_cluster(settings=settings) as (admin_url, _restart):
+        with psycopg.connect(_conninfo(admin_url), autocommit=True) as admin:
+            admin.execute("CREATE ROLE fleet LOGIN")
+            for kind in ("TABLES", "SEQUENCES"):
+                admin.execute(f"GRANT ALL ON ALL {kind} IN SCHEMA public TO fleet")
+        url = sa.make_url(admin_url).set(username="fleet").render_as_string(False)
+        refused = drain_over_the_limit(spawn, admin_url, url)
+    assert any("remaining connection slots are reserved" in text for text in refused)
+
+
+@pytest.mark.parametrize("backend", POSTGRES[1:], indirect=True)
+def test_a_fleet_over_a_small_poolers_clients_drains_every_task_once(
+    db_url: str, spawn: Spawn
+) -> None:
+    """PgBouncer takes 6 clients (max_client_conn) and lends them 2 server connections
+    (max_db_connections) while the fleet asks for more: see ``drain_over_the_limit``."""
+    dbname = sa.make_url(db_url).database or ""
+    with pgbouncer.pgbouncer(PG_URL, max_client_conn=6, max_db_connections=2) as bouncer:
+        refused = drain_over_the_limit(spawn, db_url, bouncer.url(dbname))
+    assert any("no more connections allowed" in text for text in refused)
+
+
+def drain_over_the_limit(spawn: Spawn, admin_url: str, url: str) -> list[str]:
+    """200 tasks; 5 draining workers, two of them --concurrency 4, and a sweeper start
+    at once on ``url``, asking for more connections than it gives. The refused wait
+    their turn: all 200 tasks are done once, every worker exits 0, the sweeper sweeps
+    on, and no log holds a traceback. Returns the logs of the processes refused."""
+    db = Database(admin_url)
+    queue = TaskQueue(db)
+    ids = queue.enqueue_many(
+        [TaskSpec(agent="codex", command=f"t{i}", models=("sim/noop",)) for i in range(200)]
+    )
+    try:
+        workers = [
+            spawn("worker", "--agent", "codex", "--db", url, "--drain", *more)
+            for more in ([], [], [], ["--concurrency", "4"], ["--concurrency", "4"])
+        ]
+        sweeper = spawn("sweeper", "--db", url, "--interval", "0.5")
+        assert [proc.wait(120) for proc in workers] == [0] * 5
+        # Alive and sweeping, however long its start waited for a connection.
+        passes = sweeper.text().count("sweep_pass")
+        wait_until(lambda: sweeper.text().count("sweep_pass") > passes, timeout=60)
+        counts = reads.counts(db)
+        events = db.read(
+            lambda conn: conn.exec_driver_sql(
+                "SELECT task_id, count(*) FROM task_events WHERE reason = 'claim' GROUP BY task_id"
+            ).all()
+        )
+    finally:
+        db.dispose()
+    assert counts == {("done", "codex"): 200}
+    assert sorted(task for task, _ in events) == sorted(ids)
+    assert {n for _, n in events} == {1}  # none claimed twice
+    for proc in [*workers, sweeper]:
+        assert "Traceback" not in proc.text()
+    sweeper.signal(signal.SIGTERM)
+    assert sweeper.wait(30) == 0
+    refused = [p.text() for p in [*workers, sweeper] if "db_retry" in p.text()]
+    assert refused, "no process was refused: the fleet did not go over the limit"
+    return refused
+
+
+def _conninfo(url: str) -> str:
+    return sa.make_url(url).set(drivername="postgresql").render_as_string(False)
+
+
+@pytest.mark.parametrize("backend", POSTGRES[1:], indirect=True)
+def test_busctl_and_the_api_wait_for_a_full_pooler_only_so_long(
+    db_url: str, queue: TaskQueue, run_busctl: Callable[..., object]
+) -> None:
+    """Every client slot taken for longer than db_full_wait_sec: busctl gives one line
+    and exit 3, the API raises DatabaseUnavailable (a BusError), and nothing is
+    written. A wait that is not a positive number is refused before anything."""
+    from agentbus.client import AgentBus
+    from agentbus.config import Settings
+    from agentbus.errors import DatabaseUnavailable
+
+    dbname = sa.make_url(db_url).database or ""
+    with pgbouncer.pgbouncer(PG_URL, max_client_conn=2) as bouncer:
+        url = bouncer.url(dbname)
+        with hogs(bouncer, dbname, 2):
+            wait = {"AGENTBUS_DB_FULL_WAIT_SEC": "1"}
+            args = ("enqueue", "--agent", "codex", "--models", "sim/a", "x")
+            done = run_busctl("--db", url, *args, env=wait)
+            lines = done.stderr.strip().splitlines()  # type: ignore[attr-defined]
+            assert done.returncode == 3, lines  # type: ignore[attr-defined]
+            assert len(lines) == 1 and "db_full_wait_sec" in lines[0], lines
+            assert "no more connections allowed" in lines[0]
+            settings = Settings(database_url=url, db_full_wait_sec=1.0)
+            with (
+                pytest.raises(DatabaseUnavailable, match="db_full_wait_sec"),
+                AgentBus(settings=settings) as bus,
+            ):
+                bus.enqueue("codex", "y", models=["sim/a"])
+            for bad in ("soon", "0", "-1"):
+                done = run_busctl("--db", url, *args, env={"AGENTBUS_DB_FULL_WAIT_SEC": bad})
+                lines = done.stderr.strip().splitlines()  # type: ignore[attr-defined]
+                assert done.returncode == 2 and len(lines) == 1, lines  # type: ignore[attr-defined]
+                assert "db_full_wait_sec" in lines[0].lower(), lines
+    assert reads.list_tasks(queue.db, agent="codex") == []

@@ -119,6 +119,7 @@ def worker(
         no_bitmap_scans=True,
         name=f"agentbus-worker:{agent}:{socket.gethostname()}:{os.getpid()}",
         connections=connections_for(settings.concurrency),
+        service=True,
     )
     try:
         db.require_migrated()

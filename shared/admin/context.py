@@ -24,12 +24,18 @@ class Context:
     catalog: Catalog | None = None
     _db: Database | None = field(default=None, init=False)
 
-    def database(self, *, migrated: bool = True, name: str = "agentbus-busctl") -> Database:
-        """``name``: its connections' ``application_name`` (``serve`` names its own)."""
+    def database(self, *, migrated: bool = True, serve: bool = False) -> Database:
+        """``serve``: for ``busctl serve``, a service: its connections named so, two at
+        most, and a full server waited out however long it lasts."""
         from agentbus.db import Database
 
         if self._db is None:
-            self._db = Database.from_settings(self.settings, name=name)
+            if serve:
+                self._db = Database.from_settings(
+                    self.settings, name="agentbus-serve", connections=2, service=True
+                )
+            else:
+                self._db = Database.from_settings(self.settings, name="agentbus-busctl")
             if migrated:
                 self._db.require_migrated()
             else:

@@ -74,7 +74,7 @@ def serve_cmd(
     changes = {"client_budget": client_budget, "budget_mode": budget_mode}
     settings = c.settings.replace(**{k: v for k, v in changes.items() if v is not None})
     configure(level=settings.log_level.upper())
-    db = c.database(name="agentbus-serve")
+    db = c.database(serve=True)
     ignored = budget.disagreement(settings, budget.read_setting(db))
     if ignored is not None:
         click.echo(f"busctl: warning: {ignored}", err=True)
