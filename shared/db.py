@@ -363,7 +363,7 @@ class Database:
             """A full server for ``full_wait_sec``; anything else for ``retry_for``."""
             failed = state.outcome.exception() if state.outcome else None
             limit = self.full_wait_sec if failed is not None and is_full(failed) else self.retry_for
-            return limit is not None and state.seconds_since_start >= limit
+            return limit is not None and (state.seconds_since_start or 0.0) >= limit
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(when),
