@@ -86,12 +86,15 @@ class AgentBus:
             config.catalog if config is not None and config.path is not None else None
         )
         self.by = by  # who this producer is, in the events of what it cancels or resumes
-        self.db = Database.from_settings(self.settings)
+        # Two connections at most, none held until the first call: a web app's every
+        # process may make one at start.
+        self.db = Database.from_settings(self.settings, connections=2)
         try:
             self.db.require_migrated()
         except BaseException:
             self.db.dispose()
             raise
+        self.db.engine.dispose()  # the check's connection closes: opened again when used
         self.queue = TaskQueue(self.db, **self.settings.queue_options())
         self._settled = threading.Condition()
         self._generation = 0  # notifications of settled tasks heard so far

@@ -82,8 +82,9 @@ def test_busctl_and_the_api_name_their_connections(
     from agentbus.client import AgentBus
 
     with AgentBus(db_url) as bus:
+        assert held_by(backends, backend, db_url, "agentbus-api") == 0  # none until used
         bus.enqueue("codex", "hello", models=["sim/a"])
-        assert held_by(backends, backend, db_url, "agentbus-api") in (1, 2, 3)
+        assert held_by(backends, backend, db_url, "agentbus-api") in (1, 2)
         if isinstance(backend, Pooled):  # PgBouncer passes the name on to the server
             direct = sa.make_url(db_url).set(port=sa.make_url(PG_URL).port)
             assert held_by(backends, "postgresql", direct.render_as_string(False), "agentbus-api")

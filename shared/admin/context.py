@@ -35,7 +35,9 @@ class Context:
                     self.settings, name="agentbus-serve", connections=2, service=True
                 )
             else:
-                self._db = Database.from_settings(self.settings, name="agentbus-busctl")
+                self._db = Database.from_settings(
+                    self.settings, name="agentbus-busctl", connections=2
+                )
             if migrated:
                 self._db.require_migrated()
             else:
