@@ -88,7 +88,8 @@ class AgentBus:
         self.by = by  # who this producer is, in the events of what it cancels or resumes
         # Two connections at most, none held until the first call: a web app's every
         # process may make one at start.
-        self.db = Database.from_settings(self.settings, connections=2)
+        connections = self.settings.connections(2, 3, "the producer API")
+        self.db = Database.from_settings(self.settings, connections=connections)
         try:
             self.db.require_migrated()
         except BaseException:

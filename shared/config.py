@@ -60,6 +60,13 @@ class Settings:
         "waiting producers LISTEN (one connection each); without it they poll.",
         "",
     )
+    db_connections: str = _doc(
+        "PostgreSQL connections a process opens at most, its LISTEN connection aside: "
+        "auto (a worker 2 + concurrency, at most 4; the sweeper, serve, busctl and the "
+        "API 2) or a number from 1 to what the process can use (a worker 2 + "
+        "concurrency, the sweeper 2, the others 3).",
+        "auto",
+    )
     lease_sec: float = _doc(
         "How long a claim is held without a heartbeat before the sweeper may rescue it.", 60.0
     )
@@ -296,6 +303,11 @@ class Settings:
         ):
             if not getattr(self, name) >= 0 or not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"setting {name} must be 0 (keep) or a positive number")
+        if self.db_connections != "auto" and not _whole(self.db_connections, at_least=1):
+            raise ConfigError(
+                "setting db_connections must be auto or a whole number of 1 or more, "
+                f"got {self.db_connections!r}"
+            )
         if self.pooler not in POOLERS:
             raise ConfigError(
                 f"setting pooler {self.pooler!r} is not known: use {' or '.join(POOLERS)}"
@@ -317,6 +329,18 @@ class Settings:
                 f"setting sqlite_synchronous must be OFF, NORMAL, FULL or EXTRA, "
                 f"got {self.sqlite_synchronous!r}"
             )
+
+    def connections(self, auto: int, most: int, who: str) -> int:
+        """The PostgreSQL connections this process opens at most: ``auto``, or the
+        setting db_connections, which may not be above ``most`` (what ``who`` can use)."""
+        if self.db_connections == "auto":
+            return auto
+        wanted = int(self.db_connections)
+        if wanted > most:
+            raise ConfigError(
+                f"setting db_connections ({wanted}) is more than {who} can use ({most})"
+            )
+        return wanted
 
     def backoff_steps(self) -> tuple[tuple[int, float], ...]:
         """``backoff_thresholds`` parsed: ((failures, seconds), …), failures ascending."""
@@ -496,6 +520,10 @@ def _scalars(doc: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in doc.items() if not isinstance(v, dict)}
 
 
+def _whole(text: str, *, at_least: int) -> bool:
+    return text.strip().isdigit() and int(text) >= at_least
+
+
 def _convert(name: str, type_name: Any, value: Any) -> Any:
     kind = {"str": str, "float": float, "int": int, "bool": bool}[str(type_name)]
     if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
@@ -518,4 +546,6 @@ def _convert(name: str, type_name: Any, value: Any) -> Any:
             pass
     elif kind is str and isinstance(value, str):
         return value
+    elif kind is str and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # db_connections = 4 in TOML
     raise ConfigError(f"setting {name} must be {kind.__name__}, got {value!r}")

@@ -44,7 +44,10 @@ def sweeper(
     # PostgreSQL: one connection kept for its passes; a second only for a moment (the
     # fleet clock's re-reading in the middle of a pass, two jobs at once).
     db = Database.from_settings(
-        config.settings, name="agentbus-sweeper", connections=2, service=True
+        config.settings,
+        name="agentbus-sweeper",
+        connections=config.settings.connections(2, 2, "the sweeper"),
+        service=True,
     )
     try:
         db.require_migrated()

@@ -329,7 +329,8 @@ def test_a_fleet_over_a_small_servers_connections_drains_every_task_once(spawn: 
             for kind in ("TABLES", "SEQUENCES"):
                 admin.execute(f"GRANT ALL ON ALL {kind} IN SCHEMA public TO fleet")
         url = sa.make_url(admin_url).set(username="fleet").render_as_string(False)
-        refused = drain_over_the_limit(spawn, admin_url, url)
+        held = [psycopg.connect(_conninfo(url), autocommit=True) for _ in range(5)]
+        refused = drain_over_the_limit(spawn, admin_url, url, held)
     assert any("remaining connection slots are reserved" in text for text in refused)
 
 
@@ -340,16 +341,22 @@ def test_a_fleet_over_a_small_poolers_clients_drains_every_task_once(
     """PgBouncer takes 6 clients (max_client_conn) and lends them 2 server connections
     (max_db_connections) while the fleet asks for more: see ``drain_over_the_limit``."""
     dbname = sa.make_url(db_url).database or ""
-    with pgbouncer.pgbouncer(PG_URL, max_client_conn=6, max_db_connections=2) as bouncer:
-        refused = drain_over_the_limit(spawn, db_url, bouncer.url(dbname))
+    with (
+        pgbouncer.pgbouncer(PG_URL, max_client_conn=6, max_db_connections=2) as bouncer,
+        hogs(bouncer, dbname, 5) as held,
+    ):
+        refused = drain_over_the_limit(spawn, db_url, bouncer.url(dbname), held)
     assert any("no more connections allowed" in text for text in refused)
 
 
-def drain_over_the_limit(spawn: Spawn, admin_url: str, url: str) -> list[str]:
+def drain_over_the_limit(
+    spawn: Spawn, admin_url: str, url: str, held: list[psycopg.Connection]
+) -> list[str]:
     """200 tasks; 5 draining workers, two of them --concurrency 4, and a sweeper start
-    at once on ``url``, asking for more connections than it gives. The refused wait
-    their turn: all 200 tasks are done once, every worker exits 0, the sweeper sweeps
-    on, and no log holds a traceback. Returns the logs of the processes refused."""
+    at once on ``url``, asking for more connections than it gives, while ``held`` takes
+    all but one of them until a process has been refused (however slowly they start).
+    The refused wait their turn: all 200 tasks are done once, every worker exits 0, the
+    sweeper sweeps on, and no log holds a traceback. Returns the logs of the refused."""
     db = Database(admin_url)
     queue = TaskQueue(db)
     ids = queue.enqueue_many(
@@ -361,6 +368,9 @@ def drain_over_the_limit(spawn: Spawn, admin_url: str, url: str) -> list[str]:
             for more in ([], [], [], ["--concurrency", "4"], ["--concurrency", "4"])
         ]
         sweeper = spawn("sweeper", "--db", url, "--interval", "0.5")
+        wait_until(lambda: any("db_retry" in p.text() for p in [*workers, sweeper]))
+        for conn in held:
+            conn.close()
         assert [proc.wait(120) for proc in workers] == [0] * 5
         # Alive and sweeping, however long its start waited for a connection.
         passes = sweeper.text().count("sweep_pass")
@@ -423,3 +433,46 @@ def test_busctl_and_the_api_wait_for_a_full_pooler_only_so_long(
                 assert done.returncode == 2 and len(lines) == 1, lines  # type: ignore[attr-defined]
                 assert "db_full_wait_sec" in lines[0].lower(), lines
     assert reads.list_tasks(queue.db, agent="codex") == []
+
+
+@pytest.mark.parametrize("backend", POSTGRES, indirect=True)
+def test_db_connections_bounds_a_busy_worker(
+    backends: Backends, backend: str, db_url: str, queue: TaskQueue, spawn: Spawn, tmp_path: Path
+) -> None:
+    """db_connections = 1: a worker running 4 calls at once shares one connection among
+    its slots and its watchdog, and drains them all."""
+    gates = [tmp_path / f"gate{i}" for i in range(4)]
+    ids = enqueue_held(queue, gates)
+    env = {"AGENTBUS_DB_CONNECTIONS": "1"}
+    proc = spawn("worker", "--agent", "codex", "--db", db_url, "--concurrency", "4", env=env)
+    wait_until(lambda: len(waiting(gates)) == 4, timeout=60)
+    listener = 0 if isinstance(backend, Pooled) else 1
+    assert held_by(backends, backend, db_url, worker_name(proc)) <= 1 + listener
+    for gate in gates:
+        gate.touch()
+    wait_until(lambda: all(queue.get(i).status == "done" for i in ids), timeout=60)
+    assert held_by(backends, backend, db_url, worker_name(proc)) <= 1 + listener
+    proc.signal(signal.SIGTERM)
+    assert proc.wait() == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("0", "whole number of 1 or more"),
+        ("-2", "whole number of 1 or more"),
+        ("many", "whole number of 1 or more"),
+        ("1.5", "whole number of 1 or more"),
+        ("7", "more than a worker with concurrency 4 can use (6)"),
+    ],
+)
+def test_a_db_connections_that_cannot_be_is_one_line(
+    db_url: str, queue: TaskQueue, spawn: Spawn, value: str, said: str
+) -> None:
+    task = queue.enqueue(TaskSpec(agent="codex", command="x", models=("sim/a",)))
+    env = {"AGENTBUS_DB_CONNECTIONS": value}
+    proc = spawn("worker", "--agent", "codex", "--db", db_url, "--concurrency", "4", env=env)
+    assert proc.wait() == 2
+    lines = proc.text().strip().splitlines()
+    assert len(lines) == 1 and said in lines[0] and "db_connections" in lines[0], lines
+    assert queue.get(task.id).status == "queued" and queue.get(task.id).attempts == 0

@@ -118,7 +118,11 @@ def worker(
         threads=settings.concurrency,
         no_bitmap_scans=True,
         name=f"agentbus-worker:{agent}:{socket.gethostname()}:{os.getpid()}",
-        connections=connections_for(settings.concurrency),
+        connections=settings.connections(
+            connections_for(settings.concurrency),
+            2 + settings.concurrency,
+            f"a worker with concurrency {settings.concurrency}",
+        ),
         service=True,
     )
     try:

@@ -32,11 +32,16 @@ class Context:
         if self._db is None:
             if serve:
                 self._db = Database.from_settings(
-                    self.settings, name="agentbus-serve", connections=2, service=True
+                    self.settings,
+                    name="agentbus-serve",
+                    connections=self.settings.connections(2, 3, "serve"),
+                    service=True,
                 )
             else:
                 self._db = Database.from_settings(
-                    self.settings, name="agentbus-busctl", connections=2
+                    self.settings,
+                    name="agentbus-busctl",
+                    connections=self.settings.connections(2, 3, "busctl"),
                 )
             if migrated:
                 self._db.require_migrated()
