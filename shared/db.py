@@ -15,10 +15,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import sys
-import threading
-import time
-import weakref
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -29,8 +25,17 @@ from sqlalchemy.engine import URL, Connection, Engine
 
 from agentbus.clock import clock_for
 from agentbus.config import POOLERS
+from agentbus.dberrors import (
+    first_line,
+    is_full,
+    is_transient,
+    log_first_failure,
+    log_retry,
+    pooler_hint,
+)
 from agentbus.errors import BusError, ConfigError, DatabaseUnavailable, NotMigrated
 from agentbus.logging import get_logger
+from agentbus.pinned import Pinned
 from agentbus.prepared import Prepared, prepared
 
 if TYPE_CHECKING:
@@ -89,62 +94,6 @@ def redact(raw: str | URL) -> str:
         return sa.make_url(raw).render_as_string(hide_password=True)
     except sa.exc.ArgumentError:
         return "<unparseable URL>"
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether running the same unit of work again may succeed."""
-    if isinstance(exc, sa.exc.TimeoutError):  # every pooled connection busy for pool_timeout
-        return True
-    if not isinstance(exc, sa.exc.DBAPIError):
-        return False
-    if exc.connection_invalidated:
-        return True
-    orig = exc.orig
-    sqlite3 = sys.modules.get("sqlite3")  # imported by the engine when the URL is SQLite
-    if sqlite3 is not None and isinstance(orig, sqlite3.OperationalError):
-        from agentbus.sqlite_engine import RETRIED_CODES
-
-        code = getattr(orig, "sqlite_errorcode", None)
-        if code is not None:
-            return code & 0xFF in RETRIED_CODES
-        return "locked" in str(orig) or "busy" in str(orig)
-    psycopg = sys.modules.get("psycopg")  # imported by the engine when the URL is PostgreSQL
-    return psycopg is not None and isinstance(orig, psycopg.OperationalError)
-
-
-#: What a full server or pooler answers a new connection: PostgreSQL's SQLSTATE 53300
-#: (``too many clients already``, a role's or a database's CONNECTION LIMIT), and
-#: PgBouncer's refusals (it sends them all as 08P01, told apart by their text).
-_FULL_SQLSTATE = "53300"
-_SERVER_FULL = ("too many clients", "remaining connection slots are reserved")
-_POOLER_FULL = ("no more connections allowed", "query_wait_timeout", "pgbouncer cannot connect")
-
-
-def is_full(exc: BaseException) -> bool:
-    """Whether ``exc`` says every connection of the server or pooler is taken now."""
-    orig = getattr(exc, "orig", None) or exc
-    if getattr(orig, "sqlstate", None) == _FULL_SQLSTATE:
-        return True
-    text = str(orig)  # at connect time libpq gives the text alone, with no SQLSTATE
-    return any(phrase in text for phrase in _SERVER_FULL + _POOLER_FULL)
-
-
-#: What PostgreSQL answers a statement prepared on one session and run on another, or
-#: prepared twice on one: seen only through a transaction pooler with pooler = none.
-_LOST_PREPARE_SQLSTATES = ("42P05", "26000")  # duplicate / unknown prepared statement
-
-
-def pooler_hint(exc: BaseException) -> str | None:
-    """One line for an error that says a transaction pooler stands in front of the
-    server while the setting says none (a prepared statement went missing); else None."""
-    orig = getattr(exc, "orig", None) or exc
-    if getattr(orig, "sqlstate", None) not in _LOST_PREPARE_SQLSTATES:
-        return None
-    return (
-        f"{first_line(orig)}: the server's sessions change under this process, as behind "
-        "a transaction pooler (PgBouncer, RDS Proxy): set pooler = transaction "
-        "(AGENTBUS_POOLER, --pooler, or ?pooler=transaction in the URL)"
-    )
 
 
 _JSON_DECODE = json.JSONDecoder().decode
@@ -356,7 +305,7 @@ class Database:
                 if hint is not None:
                     raise ConfigError(hint) from None
                 raise
-            _log_first_failure(exc)
+            log_first_failure(exc)
         import tenacity  # only once a transient error happened
 
         def stop(state: tenacity.RetryCallState) -> bool:
@@ -386,7 +335,7 @@ class Database:
             ) from None
 
     def _before_retry(self, state: tenacity.RetryCallState) -> None:
-        _log_retry(state)
+        log_retry(state)
         failed = state.outcome.exception() if state.outcome else None
         if failed is not None and is_full(failed):
             # Every process of a fleet may hold one connection and wait for a second:
@@ -462,116 +411,9 @@ class Database:
         self.engine.dispose()
 
 
-class Pinned:
-    """Connections kept checked out for a caller on its hot path (a worker's
-    settle-and-claim, its admissions): no pool checkout, reset and check-in per
-    transaction.
-
-    ``write`` and ``write_one`` are ``Database.write`` and ``write_one`` on them (on
-    PostgreSQL one connection for each: ``write_one``'s is in autocommit). One thread
-    uses them at a time; a thread that finds them in use goes through the pool. After
-    any error the connections are closed and the next transaction (a retry included)
-    takes a fresh one.
-    """
-
-    def __init__(self, db: Database, *, enabled: bool = True) -> None:
-        self.db = db
-        self.enabled = enabled  # False: every transaction goes through the pool
-        self._resting = False
-        self._lock = threading.Lock()
-        self._held: dict[bool, Connection] = {}  # autocommit -> its connection, once taken
-        # Dropped without ``close`` (a Database never disposed): the connections go back.
-        weakref.finalize(self, _close_all, self._held)
-
-    def write(self, work: Callable[[Connection], T], *, durable: bool = True) -> T:
-        return self._run(work, autocommit=False, durable=durable)
-
-    def write_one(self, work: Callable[[Connection], T]) -> T:
-        return self._run(work, autocommit=self.db.dialect == "postgresql")
-
-    def _run(self, work: Callable[[Connection], T], *, autocommit: bool, durable: bool = True) -> T:
-        if self._resting or not self.enabled or not self._lock.acquire(blocking=False):
-            if autocommit:
-                return self.db.write_one(work)
-            return self.db.write(work, durable=durable)
-        try:
-            return self.db._retrying(lambda: self._once(work, autocommit, durable))
-        finally:
-            self._lock.release()
-
-    def _once(self, work: Callable[[Connection], T], autocommit: bool, durable: bool) -> T:
-        conn = self._held.get(autocommit)
-        if conn is None:
-            engine = self.db._read_engine if autocommit else self.db.engine
-            conn = self._held[autocommit] = engine.connect()
-        try:
-            if autocommit:  # each statement commits by itself: nothing to begin or end
-                result = work(conn)
-                if conn.in_transaction():  # begun by an execute of SQLAlchemy's own
-                    conn.commit()
-                return result
-            return self.db._transaction(conn, work, durable)
-        except BaseException:
-            self.close()
-            raise
-
-    def rest(self, resting: bool = True) -> None:
-        """``resting``: give the connections back (the caller has gone idle) and send
-        the transactions through the pool until ``rest(False)``."""
-        self._resting = resting
-        if resting:
-            self.give_back()
-
-    def give_back(self) -> None:
-        """Close the connections held, unless in use now (taken again at next use)."""
-        if self._held and self._lock.acquire(blocking=False):
-            try:
-                self.close()
-            finally:
-                self._lock.release()
-
-    def close(self) -> None:
-        _close_all(self._held)
-
-
 def _conninfo(url: URL) -> str:
     """``url`` as libpq reads it (psycopg's own connections: listeners)."""
     return url.set(drivername="postgresql").render_as_string(hide_password=False)
-
-
-def _close_all(held: dict[bool, Connection]) -> None:
-    while held:
-        with contextlib.suppress(Exception):
-            held.popitem()[1].close()
-
-
-def first_line(exc: BaseException | None) -> str:
-    text = str(exc).strip() if exc is not None else ""
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-#: A process says once that the database fails (a fleet's every thread hits the same
-#: outage, a refused connection comes back at each retry): again only this much later.
-RETRY_LOG_EVERY_SEC = 30.0
-_last_retry_log = [-RETRY_LOG_EVERY_SEC]
-
-
-def _say_retry(attempt: int, exc: BaseException | None) -> None:
-    now = time.monotonic()
-    error = first_line(getattr(exc, "orig", exc))
-    if now - _last_retry_log[0] >= RETRY_LOG_EVERY_SEC:
-        _last_retry_log[0] = now
-        log.warning("db_retry", attempt=attempt, error=error, effect="retried with backoff")
-    else:
-        log.debug("db_retry", attempt=attempt, error=error)
-
-
-def _log_first_failure(exc: BaseException) -> None:
-    _say_retry(0, exc)
-
-
-def _log_retry(state: tenacity.RetryCallState) -> None:
-    _say_retry(state.attempt_number, state.outcome.exception() if state.outcome else None)
 
 
 def dialect_insert(dialect: str) -> Any:

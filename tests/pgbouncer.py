@@ -15,13 +15,12 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import sqlalchemy as sa
 
-from tests.support import free_port
+from tests.support import free_port, wait_until
 
 BINARY = "/usr/sbin/pgbouncer"
 
@@ -82,14 +81,21 @@ class PgBouncer:
         self.proc = subprocess.Popen(
             [binary, str(self.ini)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        deadline = time.monotonic() + 20
-        while True:
+        proc = self.proc
+
+        def listening() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"pgbouncer exited at start: {self.log()[-2000:]}")
             with contextlib.suppress(OSError):
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return self
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"pgbouncer did not start: {self.log()[-2000:]}")
-            time.sleep(0.05)
+                return True
+            return False
+
+        try:
+            wait_until(listening, timeout=20)
+        except AssertionError:
+            raise RuntimeError(f"pgbouncer did not start: {self.log()[-2000:]}") from None
+        return self
 
     def url(self, dbname: str, *, pooler: bool = True) -> str:
         query = "?pooler=transaction" if pooler else ""

@@ -12,7 +12,8 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from agentbus.db import Database, is_transient, migrate, parse_url, redact
+from agentbus.db import Database, migrate, parse_url, redact
+from agentbus.dberrors import is_transient
 from agentbus.errors import BusError
 from agentbus.prepared import Prepared
 from agentbus.queue import TaskQueue
