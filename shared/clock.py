@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from agentbus.dberrors import EPISODE, is_transient
 from agentbus.logging import get_logger
 
 if TYPE_CHECKING:
@@ -57,7 +58,8 @@ class DatabaseClock:
 
     def __call__(self) -> float:
         wall, mono = self.host(), time.monotonic()
-        if mono >= self._due or abs((wall - mono) - self._anchor) > JUMP_SEC:
+        due = mono >= self._due or abs((wall - mono) - self._anchor) > JUMP_SEC
+        if due and self.db.spare_connection():
             self.measure()
             wall, mono = self.host(), time.monotonic()
         return wall + self.offset
@@ -65,23 +67,37 @@ class DatabaseClock:
     def measure(self) -> float:
         """Measure the offset now (one read); returns it. With the database away the
         last offset stays (the host clock's at first) and the next call tries again
-        a second later: reading the time never fails."""
-        with self._lock:
-            before = self.host()
-            try:  # one try, no retries: a clock read must not wait out an outage
-                with self.db.engine.connect() as conn:
-                    db_now = float(conn.exec_driver_sql(_DB_NOW).scalar_one())
-            except Exception as exc:
-                log.warning("clock_unmeasured", error=f"{type(exc).__name__}: {exc}")
-                self._due = time.monotonic() + 1.0
-                self._anchor = self.host() - time.monotonic()
-                return self.offset
-            after = self.host()
-            self.offset = db_now - (before + after) / 2
-            mono = time.monotonic()
-            self._anchor = self.host() - mono
-            self._due = mono + self.resync_sec
+        a second later: reading the time never fails, nor waits.
+
+        A read due while every connection this process may open is taken (a sweeper
+        has one, and reads the time inside its transactions) waits for a call made
+        with one free; so does a read due while another thread measures."""
+        if not self._lock.acquire(blocking=False):
             return self.offset
+        try:
+            return self._measure()
+        finally:
+            self._lock.release()
+
+    def _measure(self) -> float:
+        before = self.host()
+        try:  # one try, no retries: a clock read must not wait out an outage
+            with self.db.engine.connect() as conn:
+                db_now = float(conn.exec_driver_sql(_DB_NOW).scalar_one())
+        except Exception as exc:
+            if is_transient(exc):  # the database is away: said once for the process
+                EPISODE.failed(0, exc)
+            else:
+                log.warning("clock_unmeasured", error=f"{type(exc).__name__}: {exc}")
+            self._due = time.monotonic() + 1.0
+            self._anchor = self.host() - time.monotonic()
+            return self.offset
+        after = self.host()
+        self.offset = db_now - (before + after) / 2
+        mono = time.monotonic()
+        self._anchor = self.host() - mono
+        self._due = mono + self.resync_sec
+        return self.offset
 
 
 def clock_for(db: Database) -> Callable[[], float]:

@@ -26,6 +26,7 @@ from sqlalchemy.engine import URL, Connection, Engine
 from agentbus.clock import clock_for
 from agentbus.config import POOLERS
 from agentbus.dberrors import (
+    EPISODE,
     first_line,
     is_full,
     is_transient,
@@ -152,6 +153,7 @@ class Database:
         #: The fleet's clock (PostgreSQL: the database's; SQLite: this host's).
         self.clock: Callable[[], float] = clock_for(self)
         self.retry_for = retry_for
+        self.connections = max(connections, 1)
         self.full_wait_sec = full_wait_sec
         self._synchronous = sqlite_synchronous.upper()
         self._relaxed: str | None = None
@@ -242,6 +244,14 @@ class Database:
     def __repr__(self) -> str:
         return f"Database({redact(self.url)})"
 
+    def spare_connection(self) -> bool:
+        """Whether this process may open or take one more connection now, without
+        waiting for one of its own to come back (PostgreSQL; SQLite: always)."""
+        if self.dialect != "postgresql":
+            return True
+        taken: int = self.engine.pool.checkedout()  # type: ignore[attr-defined]
+        return taken < self.connections
+
     def write(self, work: Callable[[Connection], T], *, durable: bool = True) -> T:
         """Run ``work`` in one write transaction, retrying transient errors.
 
@@ -298,7 +308,7 @@ class Database:
         self, fn: Callable[[], T], when: Callable[[BaseException], bool] = is_transient
     ) -> T:
         try:  # the common case pays nothing for the retry machinery
-            return fn()
+            result = fn()
         except Exception as exc:
             if not when(exc):
                 hint = pooler_hint(exc)
@@ -306,6 +316,9 @@ class Database:
                     raise ConfigError(hint) from None
                 raise
             log_first_failure(exc)
+        else:
+            EPISODE.answered()
+            return result
         import tenacity  # only once a transient error happened
 
         def stop(state: tenacity.RetryCallState) -> bool:
@@ -325,7 +338,7 @@ class Database:
             reraise=True,
         )
         try:
-            return retrying(fn)
+            result = retrying(fn)
         except sa.exc.DBAPIError as exc:
             if not is_full(exc):
                 raise
@@ -333,6 +346,8 @@ class Database:
                 f"{redact(self.url)} refused every connection for {self.full_wait_sec:g} s "
                 f"(db_full_wait_sec): {first_line(exc.orig)}"
             ) from None
+        EPISODE.answered()
+        return result
 
     def _before_retry(self, state: tenacity.RetryCallState) -> None:
         log_retry(state)

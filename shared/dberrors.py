@@ -1,12 +1,14 @@
 """What a database error means, and saying so once: a transient error (run the unit
 of work again), a server or pooler with every connection taken (wait for one), a
-transaction pooler nobody declared (say which setting to give); and the ``db_retry``
-lines of ``agentbus.db``'s retries, one warning per RETRY_LOG_EVERY_SEC."""
+transaction pooler nobody declared (say which setting to give); and the episodes of
+``agentbus.db``'s retries, each said in two lines however long it lasts."""
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
@@ -41,10 +43,15 @@ def is_transient(exc: BaseException) -> bool:
 
 
 #: What a full server or pooler answers a new connection: PostgreSQL's SQLSTATE 53300
-#: (``too many clients already``, a role's or a database's CONNECTION LIMIT), and
-#: PgBouncer's refusals (it sends them all as 08P01, told apart by their text).
+#: (``too many clients already``, a role's or a database's CONNECTION LIMIT: ``too many
+#: connections for role``), and PgBouncer's refusals (it sends them all as 08P01, told
+#: apart by their text).
 _FULL_SQLSTATE = "53300"
-_SERVER_FULL = ("too many clients", "remaining connection slots are reserved")
+_SERVER_FULL = (
+    "too many clients",
+    "remaining connection slots are reserved",
+    "too many connections for",
+)
 _POOLER_FULL = ("no more connections allowed", "query_wait_timeout", "pgbouncer cannot connect")
 
 
@@ -80,25 +87,47 @@ def first_line(exc: BaseException | None) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-#: A process says once that the database fails (a fleet's every thread hits the same
-#: outage, a refused connection comes back at each retry): again only this much later.
-RETRY_LOG_EVERY_SEC = 30.0
-_last_retry_log = [-RETRY_LOG_EVERY_SEC]
+class Episode:
+    """A time the database fails this process, from its first failed statement or
+    connection to the first that succeeds: said once when it begins (``db_retry``, a
+    warning) and once when it ends (``db_back``), however many retries, threads and
+    refusals come between (they are debug lines)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.began: float | None = None  # by ``clock``; None: the database answers
+        self.failures = 0
+        self._lock = threading.Lock()
+
+    def failed(self, attempt: int, exc: BaseException | None) -> None:
+        error = first_line(getattr(exc, "orig", exc))
+        with self._lock:
+            self.failures += 1
+            if self.began is not None:
+                log.debug("db_retry", attempt=attempt, error=error)
+                return
+            self.began = self.clock()
+        log.warning("db_retry", error=error, effect="retried with backoff until it answers")
+
+    def answered(self) -> None:
+        """A statement succeeded: an episode under way ends (a plain read when none is)."""
+        if self.began is None:
+            return
+        with self._lock:
+            if self.began is None:
+                return
+            lasted, failures = self.clock() - self.began, self.failures
+            self.began, self.failures = None, 0
+        log.info("db_back", after_sec=round(lasted, 1), failures=failures)
 
 
-def say_retry(attempt: int, exc: BaseException | None) -> None:
-    now = time.monotonic()
-    error = first_line(getattr(exc, "orig", exc))
-    if now - _last_retry_log[0] >= RETRY_LOG_EVERY_SEC:
-        _last_retry_log[0] = now
-        log.warning("db_retry", attempt=attempt, error=error, effect="retried with backoff")
-    else:
-        log.debug("db_retry", attempt=attempt, error=error)
+#: This process's: every thread's failures are one episode.
+EPISODE = Episode()
 
 
 def log_first_failure(exc: BaseException) -> None:
-    say_retry(0, exc)
+    EPISODE.failed(0, exc)
 
 
 def log_retry(state: tenacity.RetryCallState) -> None:
-    say_retry(state.attempt_number, state.outcome.exception() if state.outcome else None)
+    EPISODE.failed(state.attempt_number, state.outcome.exception() if state.outcome else None)

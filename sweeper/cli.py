@@ -41,12 +41,12 @@ def sweeper(
     from agentbus.sweeper.service import SweeperService, run_once
 
     cli.import_driver(config.settings.database_url)
-    # PostgreSQL: one connection kept for its passes; a second only for a moment (the
-    # fleet clock's re-reading in the middle of a pass, two jobs at once).
+    # PostgreSQL: one connection, kept for its passes (one job runs at a time, and the
+    # fleet clock is read again between transactions); db_connections 2 allows a second.
     db = Database.from_settings(
         config.settings,
         name="agentbus-sweeper",
-        connections=config.settings.connections(2, 2, "the sweeper"),
+        connections=config.settings.connections(1, 2, "the sweeper"),
         service=True,
     )
     try:

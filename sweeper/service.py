@@ -11,6 +11,7 @@ misfires are coalesced.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +34,18 @@ log = get_logger("agentbus.sweeper")
 
 #: Each job's time and failures, added to the database after each pass.
 OBSERVED = Observations()
+
+
+class _SkipsAreExpected(logging.Filter):
+    """APScheduler warns of each run it skips because the job still runs. A pass that
+    waits for the database makes the next ones skip by design (the pass under way does
+    their work), and the wait is said once, by ``db_retry``: not 5 lines a second."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "maximum number of running instances" not in str(record.msg)
+
+
+_SKIPS = _SkipsAreExpected()
 
 
 def run_once(sweep: jobs.Sweep) -> dict[str, int]:
@@ -82,6 +95,7 @@ class SweeperService:
         self.peek = peek
         self.stopped = threading.Event()
         self._wake_at: float | None = None
+        logging.getLogger("apscheduler.scheduler").addFilter(_SKIPS)
         self.scheduler = BackgroundScheduler(
             executors={"default": ThreadPoolExecutor(1)},
             job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
@@ -100,15 +114,15 @@ class SweeperService:
         self.scheduler.add_job(
             self._guard(self._peek), IntervalTrigger(seconds=self.peek, timezone=UTC), id="peek"
         )
-        self.scheduler.start()
-        log.info("sweeper_started", interval=self.interval, peek=self.peek)
-        self.sweep.clock()  # measured now: a host clock far off is said once
+        self.sweep.clock()  # measured now, before any job: a host clock far off is said once
         if abs(offset_of(self.sweep.clock)) > CLOCK_WARN_SEC:
             log.warning(
                 "clock_off",
                 offset_sec=round(offset_of(self.sweep.clock), 3),
                 effect="this host's clock disagrees with the database's; the database's is used",
             )
+        self.scheduler.start()
+        log.info("sweeper_started", interval=self.interval, peek=self.peek)
         self.stopped.wait()
         self.scheduler.shutdown(wait=True)
         log.info("sweeper_stopped")

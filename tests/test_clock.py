@@ -42,6 +42,27 @@ def test_the_fleet_clock_is_the_databases_on_postgresql_and_the_hosts_on_sqlite(
     assert abs(moving() - time.time()) < 1.0  # noticed at once, not at the next resync
 
 
+@POSTGRES_ONLY
+def test_a_process_of_one_connection_reads_the_clock_again_between_transactions(
+    db_url: str,
+) -> None:
+    """A sweeper's one connection is in use while it reads the time in a transaction:
+    the clock's re-reading waits for a call made with it free, instead of waiting for
+    a second connection the process may not open."""
+    db = Database(db_url, connections=1, retry_for=1.0)
+    clock = DatabaseClock(db, host=lambda: time.time() + 90)  # never measured: off by 90 s
+    tries: list[float] = []
+    measure = clock._measure
+    clock._measure = lambda: tries.append(time.time()) or measure()  # type: ignore[method-assign]
+    try:
+        inside = db.write(lambda conn: clock())
+        assert tries == [] and inside - time.time() == pytest.approx(90, abs=1.0)
+        assert clock() - time.time() == pytest.approx(0, abs=1.0)  # free: measured now
+        assert len(tries) == 1 and clock.offset == pytest.approx(-90, abs=1.0)
+    finally:
+        db.dispose()
+
+
 def journal(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import signal
 import socket
+import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -167,6 +169,10 @@ def retries_logged(proc: Proc) -> list[dict[str, object]]:
     return [e for e in proc.events() if e.get("event") == "db_retry" and e["level"] == "warning"]
 
 
+def back_logged(proc: Proc) -> list[dict[str, object]]:
+    return [e for e in proc.events() if e.get("event") == "db_back"]
+
+
 @pytest.mark.parametrize("backend", POSTGRES[1:], indirect=True)
 def test_a_worker_waits_for_a_full_pooler_at_start_and_runs_each_task_once(
     db_url: str, queue: TaskQueue, spawn: Spawn, tmp_path: Path
@@ -188,6 +194,7 @@ def test_a_worker_waits_for_a_full_pooler_at_start_and_runs_each_task_once(
     assert [(queue.get(i).status, queue.get(i).attempts) for i in ids] == [("done", 1)] * 5
     (said,) = retries_logged(proc)
     assert "no more connections allowed" in str(said["error"])
+    assert len(back_logged(proc)) == 1  # the episode's end, said once
 
 
 @pytest.mark.parametrize("backend", POSTGRES[1:], indirect=True)
@@ -217,6 +224,46 @@ def test_a_pooler_that_makes_queries_wait_too_long_is_survived_mid_run(
     assert [(queue.get(i).status, queue.get(i).attempts) for i in ids] == [("done", 1)] * 3
     (said,) = retries_logged(proc)
     assert "query_wait_timeout" in str(said["error"])
+    assert len(back_logged(proc)) == 1
+
+
+@pytest.mark.parametrize("backend", POSTGRES[1:], indirect=True)
+def test_a_sweeper_kept_waiting_mid_pass_says_so_once_and_sweeps_on(
+    db_url: str, spawn: Spawn
+) -> None:
+    """The pooler's one server connection is held while the sweeper passes and peeks
+    five times a second: its pass waits (query_wait_timeout, again and again) and the
+    runs that come due meanwhile are skipped, and all that is two lines, one when the
+    wait begins and one when it ends."""
+    dbname = sa.make_url(db_url).database or ""
+    env = {"AGENTBUS_SWEEP_PEEK_SEC": "0.2", "AGENTBUS_LOG_LEVEL": "debug"}
+    with pgbouncer.pgbouncer(PG_URL, default_pool_size=1, query_wait_timeout=1) as bouncer:
+        url = bouncer.url(dbname)
+        sweeper = spawn("sweeper", "--db", url, "--interval", "0.5", "--log-json", env=env)
+        wait_until(lambda: passes(sweeper) >= 1, timeout=60)
+        with hogs(bouncer, dbname, 1) as (hog,):
+            hog.execute("BEGIN")
+            hog.execute("SELECT 1")  # holds the pool's one server connection
+            # The warning, then debug lines: it has tried again, and again
+            wait_until(lambda: events_of(sweeper, "db_retry") >= 3, timeout=60)
+            hog.execute("COMMIT")
+        before = passes(sweeper)
+        wait_until(lambda: passes(sweeper) > before + 2, timeout=60)
+        sweeper.signal(signal.SIGTERM)
+        assert sweeper.wait(30) == 0
+    (said,) = retries_logged(sweeper)
+    assert "query_wait_timeout" in str(said["error"])
+    assert len(back_logged(sweeper)) == 1
+    text = sweeper.text()
+    assert "skipped" not in text and "sweep_job_failed" not in text and "Traceback" not in text
+
+
+def events_of(proc: Proc, event: str) -> int:
+    return sum(1 for e in proc.events() if e.get("event") == event)
+
+
+def passes(proc: Proc) -> int:
+    return events_of(proc, "sweep_pass")
 
 
 @pytest.mark.parametrize("backend", POSTGRES[1:], indirect=True)
@@ -388,6 +435,9 @@ def drain_over_the_limit(
     assert {n for _, n in events} == {1}  # none claimed twice
     for proc in [*workers, sweeper]:
         assert "Traceback" not in proc.text()
+        # Each time it was refused is said twice, when it began and when it ended,
+        # not at each retry.
+        assert proc.text().count("] db_retry ") == proc.text().count("] db_back "), proc.text()
     sweeper.signal(signal.SIGTERM)
     assert sweeper.wait(30) == 0
     refused = [p.text() for p in [*workers, sweeper] if "db_retry" in p.text()]
@@ -433,6 +483,62 @@ def test_busctl_and_the_api_wait_for_a_full_pooler_only_so_long(
                 assert done.returncode == 2 and len(lines) == 1, lines  # type: ignore[attr-defined]
                 assert "db_full_wait_sec" in lines[0].lower(), lines
     assert reads.list_tasks(queue.db, agent="codex") == []
+
+
+@contextlib.contextmanager
+def role_allowed(db_url: str, connections: int) -> Iterator[str]:
+    """``db_url`` as a role of its own that the server lets open only ``connections``
+    at once: a process that ever asks for one more is refused, and logs ``db_retry``."""
+    url = sa.make_url(db_url)
+    role = f"only{connections}_{url.database}"
+    with psycopg.connect(_conninfo(db_url), autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT {connections}")
+        for kind in ("TABLES", "SEQUENCES"):
+            admin.execute(f"GRANT ALL ON ALL {kind} IN SCHEMA public TO {role}")
+        try:
+            yield url.set(username=role).render_as_string(False)
+        finally:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,)
+            )
+            admin.execute(f"DROP OWNED BY {role}")
+            admin.execute(f"DROP ROLE {role}")
+
+
+@pytest.mark.parametrize("backend", POSTGRES[:1], indirect=True)
+def test_a_sweeper_never_opens_a_second_connection(db_url: str, spawn: Spawn) -> None:
+    """The sweeper, as a role the server allows one connection, resumes due pauses,
+    rescues expired claims and demotes old pauses pass after pass, never refused."""
+    db = Database(db_url)
+    queue = TaskQueue(db)
+    long_ago = time.time() - 49 * 3600
+    specs = [TaskSpec(agent="codex", command=str(i), models=("sim/a",)) for i in range(60)]
+    ids = queue.enqueue_many(specs)
+    claimed = queue.claim("codex", "w", 60, limit=60)
+    for task in claimed[:20]:  # due now
+        queue.pause(task.id, task.claim_token, time.time() - 1, "cooldown", model="sim/a")
+    for task in claimed[20:40]:  # paused 49 h ago, not due again for an hour
+        TaskQueue(db, clock=lambda: long_ago).pause(
+            task.id, task.claim_token, time.time() + 3600, "cooldown", model="sim/a"
+        )
+    expired = [t.id for t in claimed[40:]]
+    db.write(
+        lambda conn: conn.exec_driver_sql(
+            "UPDATE bus_commands SET lease_until = 0 WHERE id = ANY(%(ids)s)", {"ids": expired}
+        )
+    )
+    try:
+        with role_allowed(db_url, 1) as url:
+            sweeper = spawn("sweeper", "--db", url, "--interval", "0.2")
+            wait_until(lambda: sweeper.text().count("sweep_pass") >= 5, timeout=60)
+            sweeper.signal(signal.SIGTERM)
+            assert sweeper.wait(30) == 0
+        statuses = Counter(queue.get(i).status for i in ids)
+    finally:
+        db.dispose()
+    assert statuses == {"queued": 40, "failed": 20}, statuses
+    for unwanted in ("db_retry", "sweep_job_failed", "clock_unmeasured", "Traceback"):
+        assert unwanted not in sweeper.text()
 
 
 @pytest.mark.parametrize("backend", POSTGRES, indirect=True)

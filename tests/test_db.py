@@ -11,15 +11,17 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy as sa
+from structlog.testing import capture_logs
 
 from agentbus.db import Database, migrate, parse_url, redact
-from agentbus.dberrors import is_transient
+from agentbus.dberrors import Episode, is_transient
 from agentbus.errors import BusError
 from agentbus.prepared import Prepared
 from agentbus.queue import TaskQueue
 from agentbus.queue.decisions import Complete, Settlement
 from agentbus.queue.tasks import TaskSpec
 from tests.conftest import PG_URL, Backends
+from tests.support import FakeClock
 
 
 def spec() -> TaskSpec:
@@ -164,6 +166,27 @@ def test_transient_classification() -> None:
     assert not is_transient(syntax)
     assert not is_transient(integrity)
     assert not is_transient(ValueError("x"))
+
+
+def test_a_database_failing_is_said_once_when_it_begins_and_once_when_it_ends() -> None:
+    """Ten minutes of retries from several threads are one warning and one line when
+    the database answers again; the next outage is a new episode."""
+    clock = FakeClock()
+    episode = Episode(clock=clock)
+    refused = sa.exc.OperationalError("SELECT 1", {}, Exception("too many clients already"))
+    with capture_logs() as logs:
+        for attempt in range(200):
+            clock.advance(3)
+            episode.failed(attempt, refused)
+        episode.answered()
+        episode.answered()  # a read in good times says nothing
+        episode.failed(0, refused)
+        episode.answered()
+    said = [(e["event"], e["log_level"]) for e in logs if e["log_level"] != "debug"]
+    assert said == [("db_retry", "warning"), ("db_back", "info")] * 2
+    first_back = next(e for e in logs if e["event"] == "db_back")
+    assert first_back["after_sec"] == 597 and first_back["failures"] == 200
+    assert "too many clients already" in logs[0]["error"]
 
 
 def test_urls() -> None:
