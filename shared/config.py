@@ -62,7 +62,7 @@ class Settings:
     )
     db_connections: str = _doc(
         "PostgreSQL connections a process opens at most, its LISTEN connection aside: "
-        "auto (a worker 2 + concurrency, at most 4; the sweeper, serve, busctl and the "
+        "auto (a worker 2 + concurrency, at most 4; the sweeper 1; serve, busctl and the "
         "API 2) or a number from 1 to what the process can use (a worker 2 + "
         "concurrency, the sweeper 2, the others 3).",
         "auto",
@@ -73,6 +73,12 @@ class Settings:
     max_attempts: int = _doc("Default attempts a task gets before it is failed.", 3)
     db_retry_sec: float = _doc(
         "How long a transient database error (locked, connection lost) is retried.", 30.0
+    )
+    db_connect_timeout_sec: float = _doc(
+        "How long one attempt to connect to PostgreSQL waits for an answer (a host that "
+        "never answers would hold a process until TCP gives up). A connect_timeout in "
+        "the URL wins.",
+        10.0,
     )
     db_full_wait_sec: float = _doc(
         "How long busctl and the producer API wait while PostgreSQL or its pooler refuses "
@@ -387,6 +393,7 @@ MAX_CONCURRENCY = 1000
 POSITIVE = (
     "lease_sec",
     "db_retry_sec",
+    "db_connect_timeout_sec",
     "db_full_wait_sec",
     "model_cooldown_sec",
     "model_timeout_cooldown_sec",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -124,6 +125,7 @@ class Database:
         application_name: str = "agentbus-api",
         connections: int = 3,
         full_wait_sec: float | None = 30.0,
+        connect_timeout: float = 10.0,
     ) -> None:
         """``no_bitmap_scans``: a worker's engine (PostgreSQL). Its statements find rows by
         key or through the partial indexes of claimed, queued and open states, whose
@@ -173,6 +175,9 @@ class Database:
             self._at_level = sqlite_engine.synchronous
         else:
             connect_args: dict[str, Any] = {}
+            # Whole seconds, 2 at least (as psycopg keeps it); the URL's own wins, checked.
+            self._connect_timeout = _connect_timeout(self.url, connect_timeout)
+            connect_args["connect_timeout"] = self._connect_timeout
             if "application_name" not in self.url.query:  # the user's own name wins
                 connect_args["application_name"] = application_name
             if self.pooler == "transaction":
@@ -198,9 +203,9 @@ class Database:
                         "listen_url must reach PostgreSQL directly, not through the "
                         "transaction pooler of the database URL"
                     )
-                self.listen_conninfo = _conninfo(listen)
+                self.listen_conninfo = _conninfo(listen, _connect_timeout(listen, connect_timeout))
             elif self.pooler == "none":
-                self.listen_conninfo = _conninfo(self.url)
+                self.listen_conninfo = _conninfo(self.url, self._connect_timeout)
         if self.dialect == "postgresql":
             # A read is one statement or a report: autocommit spares BEGIN and COMMIT
             # (two of the three round trips of a lone SELECT).
@@ -239,6 +244,7 @@ class Database:
             application_name=name,
             connections=connections,
             full_wait_sec=None if service else settings.db_full_wait_sec,
+            connect_timeout=settings.db_connect_timeout_sec,
         )
 
     def __repr__(self) -> str:
@@ -373,14 +379,13 @@ class Database:
             raise DatabaseUnavailable(
                 f"cannot connect to {redact(self.url)}: {first_line(exc.orig)}"
             ) from None
-        if self.listen_conninfo is not None and self.listen_conninfo != _conninfo(self.url):
+        own = _conninfo(self.url, self._connect_timeout) if self.dialect == "postgresql" else None
+        if self.listen_conninfo is not None and self.listen_conninfo != own:
             import psycopg
 
             conninfo = self.listen_conninfo
             try:
-                self._retrying(
-                    lambda: psycopg.connect(conninfo, connect_timeout=10).close(), when=is_full
-                )
+                self._retrying(lambda: psycopg.connect(conninfo).close(), when=is_full)
             except psycopg.Error as exc:
                 raise DatabaseUnavailable(
                     f"cannot connect to listen_url {redact(self.listen_conninfo)}: "
@@ -426,8 +431,26 @@ class Database:
         self.engine.dispose()
 
 
-def _conninfo(url: URL) -> str:
+def _connect_timeout(url: URL, seconds: float) -> int:
+    """libpq's ``connect_timeout`` for ``url``: its own, checked, else ``seconds``; whole
+    seconds, 2 at least (as psycopg keeps it)."""
+    own = url.query.get("connect_timeout")
+    if own is None:
+        return max(2, math.ceil(seconds))
+    try:
+        value = float(own) if isinstance(own, str) else math.nan
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(
+            f"connect_timeout in the database URL must be a positive number of seconds, got {own!r}"
+        )
+    return max(2, math.ceil(value))
+
+
+def _conninfo(url: URL, connect_timeout: int) -> str:
     """``url`` as libpq reads it (psycopg's own connections: listeners)."""
+    url = url.update_query_dict({"connect_timeout": str(connect_timeout)})
     return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 

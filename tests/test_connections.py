@@ -582,3 +582,26 @@ def test_a_db_connections_that_cannot_be_is_one_line(
     lines = proc.text().strip().splitlines()
     assert len(lines) == 1 and said in lines[0] and "db_connections" in lines[0], lines
     assert queue.get(task.id).status == "queued" and queue.get(task.id).attempts == 0
+
+
+@pytest.mark.parametrize("backend", POSTGRES[:1], indirect=True)
+def test_a_connect_timeout_that_is_not_a_number_is_one_line(
+    db_url: str, queue: TaskQueue, run_busctl: Callable[..., object]
+) -> None:
+    """In the URL (libpq's connect_timeout) or as the setting: one line, exit 2, and the
+    enqueue writes nothing."""
+    args = ("enqueue", "--agent", "codex", "--models", "sim/a", "x")
+    bad_url = sa.make_url(db_url).update_query_dict({"connect_timeout": "soon"})
+    for url, env in (
+        (bad_url.render_as_string(False), {}),
+        (db_url, {"AGENTBUS_DB_CONNECT_TIMEOUT_SEC": "soon"}),
+        (db_url, {"AGENTBUS_DB_CONNECT_TIMEOUT_SEC": "0"}),
+    ):
+        done = run_busctl("--db", url, *args, env=env)
+        lines = done.stderr.strip().splitlines()  # type: ignore[attr-defined]
+        assert done.returncode == 2 and len(lines) == 1, lines  # type: ignore[attr-defined]
+        assert "connect_timeout" in lines[0], lines
+    assert reads.list_tasks(queue.db, agent="codex") == []
+    good = sa.make_url(db_url).update_query_dict({"connect_timeout": "3"})
+    done = run_busctl("--db", good.render_as_string(False), *args)
+    assert done.returncode == 0, done.stderr  # type: ignore[attr-defined]

@@ -354,3 +354,23 @@ def test_a_workers_engine_never_plans_a_bitmap_scan(
         worker.dispose()
         plain.dispose()
         backends.drop(handle)
+
+
+def test_a_server_that_never_answers_is_given_up_at_the_connect_timeout() -> None:
+    """A host that accepts and says nothing (a hung server, a black-holed proxy) is a
+    refused connection after db_connect_timeout_sec, not a process held for minutes."""
+    import contextlib
+    import socket
+
+    from agentbus.errors import DatabaseUnavailable
+
+    with contextlib.closing(socket.socket()) as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        db = Database(f"postgresql+psycopg://nobody@127.0.0.1:{port}/x", connect_timeout=2)
+        try:
+            with pytest.raises(DatabaseUnavailable, match="timeout"):
+                db.check_connection()
+        finally:
+            db.dispose()

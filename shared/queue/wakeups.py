@@ -168,8 +168,7 @@ class Listener:
             try:
                 with psycopg.connect(
                     self.conninfo,
-                    autocommit=True,
-                    connect_timeout=10,
+                    autocommit=True,  # connect_timeout: the conninfo's (Database's)
                     application_name=self.application_name,
                 ) as conn:
                     conn.execute(f"LISTEN {self.channel}")
