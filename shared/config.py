@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -445,8 +445,13 @@ class LiveConfig:
     no longer reads is reported and the running config kept.
     """
 
-    def __init__(self, config: Config, *, watch: bool = True) -> None:
+    def __init__(
+        self, config: Config, *, watch: bool = True, check: Callable[[Config], None] | None = None
+    ) -> None:
+        """``check``: what a reloaded config must pass besides reading (a worker imports
+        its python models' functions); one that raises ConfigError is not taken."""
         self.config = config
+        self.check = check
         self.watch = watch and config.path is not None
         self._seen = _stamp(config.path)
         self._checked = time.monotonic()
@@ -475,7 +480,10 @@ class LiveConfig:
             return False
         self._seen = stamp
         try:
-            self.config = self.config.reload()
+            reloaded = self.config.reload()
+            if self.check is not None:
+                self.check(reloaded)
+            self.config = reloaded
         except ConfigError as exc:
             log.error("config_reload_failed", path=str(self.config.path), error=exc.message)
             return False

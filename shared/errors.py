@@ -89,3 +89,30 @@ class TransitionRejected(BusError):
         where = "no such task" if actual is None else f"it is {actual}"
         fence = f" with claim token {token}" if token is not None else ""
         super().__init__(f"cannot {action} task {task_id}{fence}: expected {expected}, but {where}")
+
+
+class CallError(BusError):
+    """What a model call came to, said by your own code (a ``kind = "python"`` model, or
+    the block of a permit): raise one of the four below."""
+
+    def __init__(self, message: str | None = None, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        #: Seconds to wait before the model is asked again (None: the setting's cooldown).
+        self.retry_after = retry_after
+
+
+class RateLimited(CallError):
+    """The model is rate-limited: it cools down (for ``retry_after`` when given) and the
+    task tries the next candidate, or pauses without spending an attempt."""
+
+
+class Overloaded(CallError):
+    """The model is overloaded (as an HTTP 503 or 529): it cools down like a 429."""
+
+
+class Retryable(CallError):
+    """The call failed and may succeed later: the attempt is spent and retried."""
+
+
+class Permanent(CallError):
+    """The call cannot succeed: the task fails."""

@@ -98,6 +98,9 @@ def worker(
             f"unknown agent {agent!r}: {config.path} configures "
             f"{', '.join(sorted(config.catalog.agents))}"
         )
+    from agentbus.providers.registry import check_targets
+
+    check_targets(config.catalog)  # python models: their functions import, and take a request
     for provider in config.catalog.providers.values():
         for account in provider.accounts:
             if account.key_env and not os.environ.get(account.key_env):
@@ -137,7 +140,8 @@ def worker(
             batch=settings.claim_batch,
             concurrency=settings.concurrency,
         )
-        runner = Worker(LiveConfig(config), db, options)
+        live = LiveConfig(config, check=lambda new: check_targets(new.catalog))
+        runner = Worker(live, db, options)
         cli.on_stop_signals(runner.request_stop)
         started()
         return runner.run()

@@ -441,6 +441,9 @@ class Worker:
             case Fail():
                 self.log.warning("task_failed", task_id=task.id, reason=d.reason)
                 self._record(failed=True, why=d.reason)
+            case Crash():
+                self.log.error("task_error", task_id=task.id, error=d.error)
+                self._record(failed=True, why=d.error)
 
     def _settle_now(self, task: Task, item: Settlement) -> bool:
         """Settle one claim; False (and a log line) when the claim was lost meanwhile."""

@@ -25,8 +25,9 @@ from agentbus.errors import ConfigError, InvalidTask
 from agentbus.logging import get_logger, when
 from agentbus.observations import Observations
 from agentbus.providers import CallRequest, Provider, Providers, chat, outcomes
+from agentbus.providers.base import HandlerCrashed
 from agentbus.providers.outcomes import Outcome
-from agentbus.queue.decisions import Decision, Fail, Settlement
+from agentbus.queue.decisions import Crash, Decision, Fail, Settlement
 from agentbus.queue.tasks import Task
 from agentbus.worker import policy
 
@@ -155,6 +156,9 @@ class Runner:
                     outcome = self._call(task, candidate)
                 except InvalidTask as exc:
                     run.decision = Fail(exc.message)
+                    return run
+                except HandlerCrashed as exc:  # the user's own code, called as a model
+                    run.decision = Crash(f"{candidate.key}: {exc.message}")
                     return run
                 labels = {
                     "agent": task.agent,

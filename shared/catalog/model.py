@@ -3,7 +3,8 @@
 Read from the tables of the config file (``agentbus.example.toml`` documents
 every key)::
 
-    [providers.openai-main]          # kind = "openai" | "anthropic" | "command" | "simulated"
+    [providers.openai-main]          # kind = "openai" | "anthropic" | "command" | "python"
+                                     #        | "simulated"
     kind = "openai"
     base_url = "https://api.openai.com/v1"
     concurrency = 20                 # calls in flight, shared by its accounts
@@ -49,7 +50,7 @@ from agentbus.errors import ConfigError
 NAME_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}\Z")
 SIMULATED_PREFIX = "sim/"
 SIM_PROVIDER = "sim"
-PROVIDER_KINDS = ("openai", "anthropic", "command", "simulated")
+PROVIDER_KINDS = ("openai", "anthropic", "command", "python", "simulated")
 #: The kinds that speak HTTP to an endpoint with a key.
 HTTP_KINDS = ("openai", "anthropic")
 #: Where an Anthropic provider without ``base_url`` sends its calls.
@@ -78,11 +79,12 @@ class ProviderConfig:
     circuit: bool = True
     env: tuple[str, ...] = ()  # variables a command provider's program also gets
     anthropic_version: str = ANTHROPIC_VERSION  # the anthropic-version header (kind anthropic)
+    target: str | None = None  # package.module:function (kind python)
 
     @property
     def endpoint(self) -> str:
         """What the circuit breaker is keyed by besides the name: an edited one starts fresh."""
-        return self.base_url or " ".join(self.argv) or self.kind
+        return self.base_url or " ".join(self.argv) or self.target or self.kind
 
     def account(self, name: str) -> AccountConfig | None:
         return next((a for a in self.accounts if a.name == name), None)

@@ -34,6 +34,7 @@ _KEYS = {
     "anthropic": _LIMITS | {"kind", "base_url", "api_key_env", "anthropic_version"},
     "command": _LIMITS | {"kind", "argv", "exit_codes", "stderr_patterns", "env"},
     "simulated": _LIMITS | {"kind"},
+    "python": _LIMITS | {"kind", "target"},
 }
 
 
@@ -184,6 +185,14 @@ def _provider(name: str, body: Mapping[str, Any]) -> ProviderConfig:
     }
     if kind == "simulated":
         return ProviderConfig(name, kind, **common)
+    if kind == "python":
+        target = _str(body, "target", where, None)
+        module, _, function = target.partition(":")
+        if not (module and function) or not all(
+            part.isidentifier() for part in [*module.split("."), *function.split(".")]
+        ):
+            raise ConfigError(f"{where}: target must look like package.module:function")
+        return ProviderConfig(name, kind, target=target, **common)
     if kind in HTTP_KINDS:
         anthropic = kind == "anthropic"
         base_url = _str(body, "base_url", where, ANTHROPIC_URL if anthropic else None)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from agentbus.errors import BusError
 from agentbus.providers.outcomes import Outcome
 
 
@@ -21,6 +23,25 @@ class CallRequest:
     account: str = ""  # the provider account the call goes through ("" when unnamed)
     payload: Mapping[str, Any] = field(default_factory=dict)
     params: Mapping[str, Any] = field(default_factory=dict)  # the model's defaults + the task's
+
+    @functools.cached_property
+    def system(self) -> str | None:
+        """The task's system prompt (``payload["system"]``), if any."""
+        from agentbus.providers import chat
+
+        return chat.system_of(self.payload)
+
+    @functools.cached_property
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation, the task text its last user turn (``chat.conversation``)."""
+        from agentbus.providers import chat
+
+        return chat.conversation(self.prompt, self.payload)
+
+
+class HandlerCrashed(BusError):
+    """Code of the user's own, called as a model, raised what no outcome stands for or
+    returned what is no answer: the task ends in ``error`` with this message."""
 
 
 class Provider(Protocol):

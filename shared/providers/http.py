@@ -101,21 +101,26 @@ class HTTPProvider:
         # Masked whole, then cut: a key straddling the cut cannot leave a readable part.
         body = masking.mask(response.text[:MAX_BODY])
         detail = f"{self.config.name}: HTTP {status} {body}".strip()[:DETAIL_CHARS]
-        if status in (429, 503, 529):
-            wait = retry_after(response.headers)
-            return RateLimited(
-                detail,
-                retry_after_sec=wait if wait is not None else exhausted_for(response.headers),
-                overloaded=status != 429,
-            )
-        if status == 408:
-            return TimedOut(detail)
-        if status in (401, 403):
-            return AuthFailed(detail)
-        return Failed(detail, retryable=status >= 500)
+        return status_outcome(status, response.headers, detail)
 
     def close(self) -> None:
         self._client.close()
+
+
+def status_outcome(status: int, headers: Mapping[str, str], detail: str) -> Outcome:
+    """What an answer other than 200 means (``headers`` looked up by lower-case name)."""
+    if status in (429, 503, 529):
+        wait = retry_after(headers)
+        return RateLimited(
+            detail,
+            retry_after_sec=wait if wait is not None else exhausted_for(headers),
+            overloaded=status != 429,
+        )
+    if status == 408:
+        return TimedOut(detail)
+    if status in (401, 403):
+        return AuthFailed(detail)
+    return Failed(detail, retryable=status >= 500)
 
 
 def tool_call(call_id: Any, name: Any, arguments: Any) -> dict[str, Any]:

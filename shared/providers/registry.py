@@ -4,7 +4,8 @@ Model providers behind one small protocol: a call in, an ``Outcome`` out.
 
 ``simulated`` serves every ``sim/…`` model with scripted behaviour; ``openai``
 speaks to any OpenAI-compatible chat-completions endpoint; ``anthropic`` to
-Anthropic's Messages API; ``command`` runs a CLI agent. A provider never raises
+Anthropic's Messages API; ``command`` runs a CLI agent; ``python`` calls a
+function of your own. A provider never raises
 for a failed call — it returns an outcome — except ``InvalidTask`` when the
 task itself cannot be run (a malformed simulation script or conversation),
 which fails the task with that reason.
@@ -91,6 +92,10 @@ class Providers:
             from agentbus.providers.anthropic import AnthropicProvider
 
             return AnthropicProvider(config, self.environ)
+        if config.kind == "python":
+            from agentbus.providers.python import PythonProvider
+
+            return PythonProvider(config, self.environ)
         from agentbus.providers.command import CommandProvider
 
         return CommandProvider(config, self.environ)
@@ -106,6 +111,17 @@ class Providers:
             made, self._made = [*self._retired, *self._made.values()], {}
             self._retired = []
         _close(made)
+
+
+def check_targets(catalog: Catalog) -> None:
+    """Import every ``python`` provider's function now, and check that it can be called
+    with the request: ConfigError, when the worker starts or a reloaded file is read,
+    rather than at the first task."""
+    from agentbus.providers.python import load
+
+    for provider in catalog.providers.values():
+        if provider.kind == "python" and provider.target is not None:
+            load(provider.target, f"[providers.{provider.name}]")
 
 
 def _close(providers: list[Provider]) -> None:
