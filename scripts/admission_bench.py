@@ -126,3 +126,34 @@ def bench_admission(db: Database, calls: int) -> list[tuple[str, str]]:
             (f"admission release + circuit count, {label}", f"{finish_s / calls * 1e6:,.0f} µs")
         )
     return rows
+
+
+def bench_permits(db: Database, calls: int) -> list[tuple[str, str]]:
+    """``AgentBus.permit`` around a call agentbus does not make: enter and leave, p50 and
+    p99, with every gate configured and with none."""
+    from agentbus.admission.permits import Permits
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "agentbus.toml"
+        path.write_text(ALL_GATES)
+        config = load_config(path, environ={})
+    unlimited = Config(Settings(), Catalog(), None)
+    rows = []
+    for label, model, cfg in (
+        ("every gate", "sim/gated", config),
+        ("no limit configured", "sim/free", unlimited),
+    ):
+        permits = Permits(db, cfg, holder="bench")
+        permits.admission.environ = {"BENCH_KEY": "k"}
+        with permits.permit(model, agent="bench"):  # warm: the catalog's answers kept
+            pass
+        took = []
+        for _ in range(calls):
+            started = time.perf_counter()
+            with permits.permit(model, agent="bench"):
+                pass
+            took.append(time.perf_counter() - started)
+        took.sort()
+        p50, p99 = took[len(took) // 2], took[min(len(took) - 1, len(took) * 99 // 100)]
+        rows.append((f"permit, {label}", f"p50 {p50 * 1e6:,.0f} µs, p99 {p99 * 1e6:,.0f} µs"))
+    return rows

@@ -17,14 +17,17 @@ import asyncio
 import builtins
 import contextlib
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentbus.client import FIRST_LOOK_SEC, AgentBus, time_left
 from agentbus.config import Settings
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import Task
+
+if TYPE_CHECKING:
+    from agentbus.admission.permits import CallPermit
 
 
 class AsyncAgentBus:
@@ -32,6 +35,19 @@ class AsyncAgentBus:
         self, url: str | None = None, *, settings: Settings | None = None, by: str = "api"
     ) -> None:
         self.sync = AgentBus(url, settings=settings, by=by)
+
+    @contextlib.asynccontextmanager
+    async def permit(self, model: str, *, agent: str) -> AsyncIterator[CallPermit]:
+        """As ``AgentBus.permit``: ``async with bus.permit("gpt-4o", agent="codex") as p``."""
+        held = self.sync.permit(model, agent=agent)
+        call = await asyncio.to_thread(held.__enter__)
+        try:
+            yield call
+        except BaseException as exc:
+            if not await asyncio.to_thread(held.__exit__, type(exc), exc, exc.__traceback__):
+                raise
+        else:
+            await asyncio.to_thread(held.__exit__, None, None, None)
 
     async def enqueue(self, agent: str, text: str, **fields: Any) -> int:
         """As ``AgentBus.enqueue`` (``connection=`` takes a synchronous connection)."""

@@ -26,22 +26,26 @@ import builtins
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.admission.routing import check_task
 from agentbus.catalog import Catalog
-from agentbus.config import Config, Settings, load_config
+from agentbus.config import Config, LiveConfig, Settings, load_config
 from agentbus.db import Database
 from agentbus.errors import ConfigError, InvalidTask, TaskNotFound, WaitTimeout
 from agentbus.queue import TaskQueue, reads, wakeups
 from agentbus.queue.states import TERMINAL, TaskStatus
 from agentbus.queue.tasks import Task, TaskSpec
 from agentbus.schema import bus_commands
+
+if TYPE_CHECKING:
+    from agentbus.admission.permits import CallPermit, Permits
 
 FIRST_LOOK_SEC = 0.005
 SQLITE_LOOK_MAX_SEC = 0.05
@@ -86,6 +90,8 @@ class AgentBus:
             config.catalog if config is not None and config.path is not None else None
         )
         self.by = by  # who this producer is, in the events of what it cancels or resumes
+        self._config = config if config is not None else Config(self.settings, Catalog(), None)
+        self._permits: Permits | None = None
         # Two connections at most, none held until the first call: a web app's every
         # process may make one at start.
         connections = self.settings.connections(2, 3, "the producer API")
@@ -101,6 +107,20 @@ class AgentBus:
         self._generation = 0  # notifications of settled tasks heard so far
         self._listener: wakeups.Listener | None = None
         self._subscribers: list[Any] = []  # the async waiters' wake-ups
+
+    # -- calls of the caller's own ----------------------------------------------
+
+    def permit(self, model: str, *, agent: str) -> AbstractContextManager[CallPermit]:
+        """Leave for one call of ``model`` that the caller makes itself (an SDK's), under
+        the admission every worker's call passes; ``agentbus.errors.Refused`` when it is
+        refused now. What the block raises, or reports (``p.report(status=…,
+        headers=…, usage=…)``), teaches admission as a worker's call would: a 429
+        cools the model for every process. See ``agentbus.admission.permits``."""
+        if self._permits is None:  # admission is loaded only by a producer that asks
+            from agentbus.admission.permits import Permits
+
+            self._permits = Permits(self.db, LiveConfig(self._config), holder=f"{self.by}-permit")
+        return self._permits.permit(model, agent=agent)
 
     # -- producing -------------------------------------------------------------
 

@@ -116,3 +116,27 @@ class Retryable(CallError):
 
 class Permanent(CallError):
     """The call cannot succeed: the task fails."""
+
+
+class Refused(BusError):
+    """Admission refused the call now (``AgentBus.permit``). ``code`` is the JSON-RPC
+    number of the refusal contract (-32000 rate limited, -32001 circuit open, -32002
+    bulkhead full) or the gate's name (cooldown, concurrency_full, budget_exhausted …);
+    ``retry_after_ms`` says when it admits again."""
+
+    exit_code = 1
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        code: int | str = "refused",
+        reason: str = "",
+        retry_after_ms: int = 0,
+        suggested_action: str = "DO_NOT_RETRY_IMMEDIATELY",
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.retry_after_ms = retry_after_ms
+        self.suggested_action = suggested_action

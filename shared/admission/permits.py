@@ -1,0 +1,172 @@
+"""Permits for the calls agentbus does not make: an agent's own SDK calls, its sub-calls,
+a judge model, under the admission every worker's call passes.
+
+    with bus.permit("gpt-4o", agent="codex") as p:
+        reply = client.chat.completions.create(...)
+        p.report(usage={"prompt_tokens": 812, "completion_tokens": 96})
+
+``Permits.permit`` asks admission for the model (each of its provider's accounts in
+turn): cooldowns, rate windows, slots, bulkheads, circuits and budgets, shared with
+every process through the database. A refusal raises ``agentbus.errors.Refused``.
+What the block raises (an SDK's 429 with its ``retry-after``, a timeout), or what it
+reports (``status``, ``headers``, ``usage``), teaches admission as a worker's own call
+would: a 429 inside a permit cools the model for everyone. Leaving the block releases
+the slot; a process that dies releases it by lease expiry.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+from agentbus.admission import usage as ledger
+from agentbus.admission.admission import Admission, Permit
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.admission.gates import Refusal
+from agentbus.admission.routing import Candidate, Route
+from agentbus.config import Config, LiveConfig
+from agentbus.db import Database
+from agentbus.errors import ConfigError, Refused
+from agentbus.providers.outcomes import Outcome, Succeeded, Usage
+from agentbus.providers.ratelimits import exhausted_for
+
+
+class CallPermit:
+    """Leave to make one call (what ``permit`` yields): ``model``, ``account``, and
+    ``report`` to say what the call came to when it did not raise."""
+
+    def __init__(self, admission: Admission, permit: Permit) -> None:
+        self._admission = admission
+        self._permit = permit
+        self.model = permit.candidate.model
+        self.upstream = permit.candidate.upstream  # the name its provider knows it by
+        self.account = permit.candidate.account
+        self.outcome: Outcome | None = None
+
+    def report(
+        self,
+        *,
+        status: int = 200,
+        headers: Mapping[str, str] | None = None,
+        usage: Mapping[str, int] | None = None,
+    ) -> None:
+        """What the call answered: its HTTP ``status`` and ``headers`` (a 429's
+        ``retry-after``, the rate-limit headers of a 200) and its token ``usage``
+        (``prompt_tokens``, ``completion_tokens``, for the daily budgets)."""
+        from agentbus.providers.http import status_outcome
+
+        lowered = {str(k).lower(): str(v) for k, v in (headers or {}).items()}
+        if status == 200:
+            counted = Usage(
+                int((usage or {}).get("prompt_tokens", 0)),
+                int((usage or {}).get("completion_tokens", 0)),
+            )
+            self.outcome = Succeeded("", counted, limit_reset_sec=exhausted_for(lowered))
+        else:
+            detail = f"{self._permit.candidate.provider}: HTTP {status}"
+            self.outcome = status_outcome(status, lowered, detail)
+
+
+class Permits:
+    """The admission of one producer process (``AgentBus.permit``)."""
+
+    def __init__(self, db: Database, config: Config | LiveConfig, *, holder: str = "") -> None:
+        settings = config.settings
+        cooldowns = CooldownStore(
+            db,
+            cache_sec=settings.cooldown_cache_sec,
+            slow_read_ms=settings.cooldown_slow_read_ms,
+            slow_cache_sec=settings.cooldown_slow_cache_sec,
+        )
+        self.admission = Admission(
+            db,
+            config,
+            worker=holder or f"permit:{socket.gethostname()}:{os.getpid()}",
+            cooldowns=cooldowns,
+            environ=os.environ,
+            cache_sec=settings.cooldown_cache_sec,
+        )
+
+    @contextmanager
+    def permit(self, model: str, *, agent: str) -> Iterator[CallPermit]:
+        admission = self.admission
+        catalog = admission.catalog
+        if not catalog.knows(model):
+            raise ConfigError(f"unknown model {model!r}: the config does not list it")
+        if catalog.agents and agent not in catalog.agents:
+            raise ConfigError(f"unknown agent {agent!r}: the config does not list it")
+        resolved = admission.resolve(models=(model,), role=None, agent=agent)
+        if not resolved.candidates:
+            left_out = "; ".join(resolved.left_out) or "no account of its provider is usable"
+            raise ConfigError(f"no permit for {model!r}: {left_out}")
+        refusals: list[Refusal] = []
+        for candidate in resolved.candidates:  # each account of the model's provider
+            answer = admission.admit(candidate, agent=agent, task_id=None)
+            if isinstance(answer, Refusal):
+                refusals.append(answer)
+                continue
+            call = CallPermit(admission, answer)
+            with answer:  # the slot goes back whatever happens in the block
+                try:
+                    yield call
+                except BaseException as exc:
+                    said = call.outcome or _outcome_of(exc, candidate.provider)
+                    admission.finish(answer, said)
+                    self._count(agent, candidate, said)
+                    raise
+                said = call.outcome or Succeeded("")
+                admission.finish(answer, said)
+                self._count(agent, candidate, said)
+            return
+        first = min(refusals, key=lambda r: r.retry_after)
+        raise refused(first, admission.clock())
+
+    def _count(self, agent: str, candidate: Candidate, outcome: Outcome | None) -> None:
+        """The call in the usage ledger (its tokens and cost, counted by the daily
+        budgets), as a worker's calls are; nothing for a block that made none."""
+        if outcome is None:
+            return
+        usage = outcome.usage if isinstance(outcome, Succeeded) else Usage()
+        admission = self.admission
+        call = Route(
+            0,
+            0,
+            agent,
+            candidate.model,
+            "call",
+            admission.clock(),
+            worker=admission.worker,
+            provider=candidate.provider,
+            account=candidate.account,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cost=admission.cost(candidate, usage),
+        )
+
+        db = admission.db
+        if db.dialect == "postgresql":  # one statement in autocommit: no BEGIN, no COMMIT
+            db.write_one(lambda conn: ledger.record(conn, [call]))
+        else:  # its commit need not wait for the disk (a crash of the machine: the count)
+            db.write(lambda conn: ledger.record(conn, [call]), durable=False)
+
+
+def refused(refusal: Refusal, now: float) -> Refused:
+    said = refusal.as_dict(now)
+    return Refused(
+        f"{refusal.code.value}: {refusal.detail} (retry in {said['retry_after_ms']} ms)",
+        code=said["code"],
+        reason=refusal.detail,
+        retry_after_ms=said["retry_after_ms"],
+        suggested_action=said["suggested_action"],
+    )
+
+
+def _outcome_of(exc: BaseException, provider: str) -> Outcome | None:
+    """What the block's exception says of the call: an SDK's error as its HTTP answer,
+    a timeout, a lost connection. Anything else (a bug of the caller's, a refusal of
+    an inner permit) says nothing of the model: the slot goes back, nothing is learnt."""
+    from agentbus.providers.python import outcome_of
+
+    return None if isinstance(exc, Refused) else outcome_of(exc, provider)
