@@ -143,7 +143,7 @@ def bench_permits(db: Database, calls: int) -> list[tuple[str, str]]:
         ("every gate", "sim/gated", config),
         ("no limit configured", "sim/free", unlimited),
     ):
-        permits = Permits(db, cfg, holder="bench")
+        permits = Permits.open(db, cfg, holder="bench")
         permits.admission.environ = {"BENCH_KEY": "k"}
         with permits.permit(model, agent="bench"):  # warm: the catalog's answers kept
             pass

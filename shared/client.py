@@ -119,7 +119,9 @@ class AgentBus:
         if self._permits is None:  # admission is loaded only by a producer that asks
             from agentbus.admission.permits import Permits
 
-            self._permits = Permits(self.db, LiveConfig(self._config), holder=f"{self.by}-permit")
+            self._permits = Permits.open(
+                self.db, LiveConfig(self._config), holder=f"{self.by}-permit"
+            )
         return self._permits.permit(model, agent=agent)
 
     # -- producing -------------------------------------------------------------

@@ -131,12 +131,14 @@ class Refused(BusError):
         message: str | None = None,
         *,
         code: int | str = "refused",
+        name: str = "refused",
         reason: str = "",
         retry_after_ms: int = 0,
         suggested_action: str = "DO_NOT_RETRY_IMMEDIATELY",
     ) -> None:
         super().__init__(message)
         self.code = code
+        self.name = name  # the refusal's name: rate_limited, circuit_open, cooldown …
         self.reason = reason
         self.retry_after_ms = retry_after_ms
         self.suggested_action = suggested_action

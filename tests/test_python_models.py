@@ -77,6 +77,12 @@ async def forever(request):
     await asyncio.Event().wait()
 
 
+def with_a_judge(request):
+    with request.permit("judge") as p:  # the judge's call, under the shared admission
+        verdict = "fair"
+    return f"{request.prompt}: {verdict} ({p.model})"
+
+
 def nothing(request):
     return None
 
@@ -379,3 +385,30 @@ def test_the_docs_example_runs(
     assert answered == Succeeded("At 14:02.")
     assert mock_llm.seen[0].body["model"] == "gpt-4o-mini"
     assert mock_llm.seen[0].body["temperature"] == 0.2
+
+
+@pytest.mark.process
+def test_a_handlers_own_call_takes_a_permit_and_a_refused_one_pauses_the_task(
+    db_url: str, spawn: Spawn, agent_code: Path, tmp_path: Path
+) -> None:
+    """Inside a python model, ``request.permit(model)`` admits the handler's own call
+    (here a judge model allowed 1 call a minute): the first task's judge call passes,
+    the second's is refused, and its task pauses until the window frees, no attempt
+    spent."""
+    config = python_config(tmp_path, {"pilot": "with_a_judge"})
+    with open(config, "a") as more:
+        more.write('\n[providers.judges]\nkind = "simulated"\nrpm = 1\n')
+        more.write('[models.judge]\nprovider = "judges"\n')
+    env = {"AGENTBUS_DATABASE_URL": db_url, "AGENTBUS_CONFIG": config}
+    env["PYTHONPATH"] = str(agent_code)
+    with AgentBus(db_url) as bus:
+        first = bus.enqueue("codex", "Rate this", models=["pilot"])
+        second = bus.enqueue("codex", "And this", models=["pilot"])
+        worker = spawn("worker", "--agent", "codex", "--drain", env=env)
+        assert worker.wait() == 0, worker.text()
+        done, paused = bus.get(first), bus.get(second)
+    assert (done.status, done.result) == ("done", "Rate this: fair (judge)")
+    assert (paused.status, paused.attempts) == ("paused", 0)
+    assert paused.resume_after is not None and paused.paused_at is not None
+    assert 0 < paused.resume_after - paused.paused_at <= 61
+    assert "candidate_refused" in worker.text() and "Traceback" not in worker.text()

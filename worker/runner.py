@@ -12,6 +12,7 @@ task — the loop settles it through ``agentbus.queue``.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,9 +20,10 @@ from typing import Any
 
 from agentbus.admission.admission import Admission
 from agentbus.admission.gates import Code, Refusal
+from agentbus.admission.permits import Permits
 from agentbus.admission.routing import Candidate, Route
 from agentbus.config import Settings
-from agentbus.errors import ConfigError, InvalidTask
+from agentbus.errors import ConfigError, InvalidTask, Refused
 from agentbus.logging import get_logger, when
 from agentbus.observations import Observations
 from agentbus.providers import CallRequest, Provider, Providers, chat, outcomes
@@ -77,6 +79,7 @@ class Runner:
         observed: Observations | None = None,
     ) -> None:
         self.admission = admission
+        self.permits = Permits(admission)  # for the inner calls of python models
         self.providers = providers
         self.worker_id = worker_id
         # Bound once, as the worker's own logger is: a line names its worker, and a
@@ -160,6 +163,24 @@ class Runner:
                 except HandlerCrashed as exc:  # the user's own code, called as a model
                     run.decision = Crash(f"{candidate.key}: {exc.message}")
                     return run
+                except Refused as exc:  # a permit of the handler's own was refused
+                    refusal = Refusal(
+                        Code(exc.name), started + exc.retry_after_ms / 1000, exc.reason, "permit"
+                    )
+                    blocked[candidate.key] = refusal.retry_after
+                    run.refusals[candidate.key] = refusal.as_dict(started)
+                    self.log.info(
+                        "candidate_refused",
+                        task_id=task.id,
+                        candidate=candidate.key,
+                        code=exc.name,
+                        retry_after_ms=exc.retry_after_ms,
+                        detail=f"an inner permit: {exc.reason}",
+                    )
+                    run.routes.append(
+                        self._route(task, candidate, "refuse", started, refusal=refusal)
+                    )
+                    continue
                 labels = {
                     "agent": task.agent,
                     "model": candidate.model,
@@ -284,6 +305,7 @@ class Runner:
             payload=task.payload,
             params=chat.params_for(model.params, task.payload),
             account=candidate.account,
+            permit=functools.partial(self.permits.permit, agent=task.agent),
         )
         outcome = provider.call(request)
         if (

@@ -72,7 +72,12 @@ class CallPermit:
 class Permits:
     """The admission of one producer process (``AgentBus.permit``)."""
 
-    def __init__(self, db: Database, config: Config | LiveConfig, *, holder: str = "") -> None:
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission  # a worker's own, for its python models' inner calls
+
+    @classmethod
+    def open(cls, db: Database, config: Config | LiveConfig, *, holder: str = "") -> Permits:
+        """The permits of a process that has no admission of its own (a producer)."""
         settings = config.settings
         cooldowns = CooldownStore(
             db,
@@ -80,7 +85,7 @@ class Permits:
             slow_read_ms=settings.cooldown_slow_read_ms,
             slow_cache_sec=settings.cooldown_slow_cache_sec,
         )
-        self.admission = Admission(
+        admission = Admission(
             db,
             config,
             worker=holder or f"permit:{socket.gethostname()}:{os.getpid()}",
@@ -88,6 +93,7 @@ class Permits:
             environ=os.environ,
             cache_sec=settings.cooldown_cache_sec,
         )
+        return cls(admission)
 
     @contextmanager
     def permit(self, model: str, *, agent: str) -> Iterator[CallPermit]:
@@ -157,6 +163,7 @@ def refused(refusal: Refusal, now: float) -> Refused:
     return Refused(
         f"{refusal.code.value}: {refusal.detail} (retry in {said['retry_after_ms']} ms)",
         code=said["code"],
+        name=refusal.code.value,
         reason=refusal.detail,
         retry_after_ms=said["retry_after_ms"],
         suggested_action=said["suggested_action"],

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,6 +24,11 @@ class CallRequest:
     account: str = ""  # the provider account the call goes through ("" when unnamed)
     payload: Mapping[str, Any] = field(default_factory=dict)
     params: Mapping[str, Any] = field(default_factory=dict)  # the model's defaults + the task's
+    #: ``permit(model)``: leave for a call of the handler's own (a python model's), under
+    #: the worker's admission, as ``AgentBus.permit``; None where the worker gives none.
+    permit: Callable[[str], AbstractContextManager[Any]] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     @functools.cached_property
     def system(self) -> str | None:

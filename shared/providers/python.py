@@ -104,8 +104,8 @@ class PythonProvider:
             answer = self._await(request, timeout) if self.is_async else self.fn(request)
         except concurrent.futures.TimeoutError:
             return TimedOut(f"{self.config.name}: no answer within {timeout:g}s")
-        except (InvalidTask, HandlerCrashed):
-            raise
+        except (InvalidTask, HandlerCrashed, errors.Refused):
+            raise  # Refused: an inner permit refused, the runner pauses as for any refusal
         except (Exception, SystemExit, concurrent.futures.CancelledError) as exc:
             # SystemExit: a script's sys.exit() ends its call, not the worker.
             outcome = outcome_of(exc, self.config.name)
