@@ -134,24 +134,8 @@ class Runner:
             started = self.clock()
             answer = self.admission.admit(candidate, agent=task.agent, task_id=task.id)
             if isinstance(answer, Refusal):
-                blocked[candidate.key] = answer.retry_after
-                run.refusals[candidate.key] = answer.as_dict(started)
                 cooling = answer.code is Code.COOLDOWN
-                if cooling:
-                    run.skipped[candidate.key] = answer.retry_after
-                self.log.info(
-                    "model_skipped" if cooling else "candidate_refused",
-                    task_id=task.id,
-                    candidate=candidate.key,
-                    code=answer.code.value,
-                    retry_after_ms=answer.retry_after_ms(started),
-                    detail=answer.detail,
-                )
-                run.routes.append(
-                    self._route(
-                        task, candidate, "skip" if cooling else "refuse", started, refusal=answer
-                    )
-                )
+                self._refused(run, task, candidate, answer, started, blocked, cooling=cooling)
                 continue
             with answer as permit:
                 began = time.monotonic()
@@ -164,22 +148,11 @@ class Runner:
                     run.decision = Crash(f"{candidate.key}: {exc.message}")
                     return run
                 except Refused as exc:  # a permit of the handler's own was refused
-                    refusal = Refusal(
-                        Code(exc.name), started + exc.retry_after_ms / 1000, exc.reason, "permit"
-                    )
-                    blocked[candidate.key] = refusal.retry_after
-                    run.refusals[candidate.key] = refusal.as_dict(started)
-                    self.log.info(
-                        "candidate_refused",
-                        task_id=task.id,
-                        candidate=candidate.key,
-                        code=exc.name,
-                        retry_after_ms=exc.retry_after_ms,
-                        detail=f"an inner permit: {exc.reason}",
-                    )
-                    run.routes.append(
-                        self._route(task, candidate, "refuse", started, refusal=refusal)
-                    )
+                    # A gate of another model's: this candidate is not cooling.
+                    at = started + exc.retry_after_ms / 1000
+                    why = f"an inner permit: {exc.reason}"
+                    refusal = Refusal(Code(exc.name), at, why, "permit")
+                    self._refused(run, task, candidate, refusal, started, blocked, cooling=False)
                     continue
                 labels = {
                     "agent": task.agent,
@@ -253,6 +226,33 @@ class Runner:
         codes = {key: refusal["name"] for key, refusal in run.refusals.items()}
         run.decision = policy.when_no_candidate_left(blocked, refused, codes)
         return run
+
+    def _refused(
+        self,
+        run: Run,
+        task: Task,
+        candidate: Candidate,
+        refusal: Refusal,
+        at: float,
+        blocked: dict[str, float],
+        *,
+        cooling: bool,
+    ) -> None:
+        """A candidate not usable now: skipped while it cools, refused by a gate else."""
+        blocked[candidate.key] = refusal.retry_after
+        run.refusals[candidate.key] = refusal.as_dict(at)
+        if cooling:
+            run.skipped[candidate.key] = refusal.retry_after
+        self.log.info(
+            "model_skipped" if cooling else "candidate_refused",
+            task_id=task.id,
+            candidate=candidate.key,
+            code=refusal.code.value,
+            retry_after_ms=refusal.retry_after_ms(at),
+            detail=refusal.detail,
+        )
+        decision = "skip" if cooling else "refuse"
+        run.routes.append(self._route(task, candidate, decision, at, refusal=refusal))
 
     def _route(
         self,
