@@ -126,8 +126,9 @@ from worker_bench import bench_workers
 
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.config import LiveConfig, Settings
-from agentbus.db import Database, migrate
+from agentbus.db import Database
 from agentbus.logging import configure
+from agentbus.migrations import migrate
 from agentbus.queue import TaskQueue
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import bus_commands

@@ -38,7 +38,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from agentbus.db import Database, migrate
+from agentbus.db import Database
+from agentbus.migrations import migrate
 from agentbus.queue import TaskQueue
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import bus_commands, task_events

@@ -73,7 +73,8 @@ class Peer:
 def agentbus(backend: str, batch: int) -> Callable[[int, int, int], Figures]:
     def cycle(tasks: int, procs: int, single: int) -> Figures:
         from agentbus import AgentBus
-        from agentbus.db import Database, migrate
+        from agentbus.db import Database
+        from agentbus.migrations import migrate
         from agentbus.queue import TaskQueue
         from agentbus.queue.tasks import TaskSpec
 

@@ -191,7 +191,7 @@ if __name__ == "__main__":  # a quick look: python scripts/counting.py URL
     with tempfile.TemporaryDirectory() as tmp:
         target = sys.argv[1] if len(sys.argv) > 1 else f"sqlite:///{tmp}/count.db"
         if target.startswith("sqlite"):
-            from agentbus.db import migrate
+            from agentbus.migrations import migrate
 
             migrate(Database(target))
         for label, figures in rows(target):

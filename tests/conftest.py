@@ -23,7 +23,8 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from agentbus.db import Database, migrate
+from agentbus.db import Database
+from agentbus.migrations import migrate
 from agentbus.queue import TaskQueue
 from tests import pgbouncer
 from tests.support import FakeClock, Proc, clean_env

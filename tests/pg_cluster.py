@@ -14,7 +14,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from agentbus.db import Database, migrate
+from agentbus.db import Database
+from agentbus.migrations import migrate
 from tests.conftest import IN_CI
 from tests.support import free_port
 

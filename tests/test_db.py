@@ -13,9 +13,10 @@ import pytest
 import sqlalchemy as sa
 from structlog.testing import capture_logs
 
-from agentbus.db import Database, migrate, parse_url, redact
+from agentbus.db import Database, parse_url, redact
 from agentbus.dberrors import Episode, is_transient
 from agentbus.errors import BusError
+from agentbus.migrations import migrate
 from agentbus.prepared import Prepared
 from agentbus.queue import TaskQueue
 from agentbus.queue.decisions import Complete, Settlement

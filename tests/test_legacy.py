@@ -15,7 +15,8 @@ import pytest
 import sqlalchemy as sa
 
 from agentbus.config import LiveConfig, Settings
-from agentbus.db import Database, downgrade, migrate
+from agentbus.db import Database
+from agentbus.migrations import downgrade, migrate
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import adopted_tables, model_cooldown, ops_todos
 from agentbus.sweeper import jobs

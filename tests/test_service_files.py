@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from agentbus.db import Database, migrate
+from agentbus.db import Database
+from agentbus.migrations import migrate
 from agentbus.schema import workers
 from tests.support import Proc, wait_until
 

@@ -51,7 +51,8 @@ def busctl(
 @pass_ctx
 def migrate_cmd(c: Context) -> None:
     """Create or upgrade the schema (adopts an older bus_commands table in place)."""
-    from agentbus.db import migrate, redact
+    from agentbus.db import redact
+    from agentbus.migrations import migrate
 
     db = c.database(migrated=False)
     before = db.current_revision()

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from agentbus.admin import kpi
 from agentbus.admission.cooldowns import CooldownStore
-from agentbus.db import Database, migrate
+from agentbus.db import Database
+from agentbus.migrations import migrate
 from agentbus.queue import TaskQueue, reads
 from agentbus.queue.states import TERMINAL, TaskStatus
 from agentbus.queue.tasks import TaskSpec
