@@ -161,3 +161,10 @@ def own_engine(url: str) -> Any:
         parsed = parsed.difference_update_query(["pooler"])
         return sa.create_engine(parsed, connect_args={"prepare_threshold": None})
     return sa.create_engine(parsed)
+
+
+def conninfo(url: str) -> str:
+    """A SQLAlchemy URL as libpq reads it (the tests' own psycopg connections)."""
+    import sqlalchemy as sa
+
+    return sa.make_url(url).set(drivername="postgresql").render_as_string(False)

@@ -138,18 +138,17 @@ import json, os, sys, time
 from agentbus.client import AgentBus
 from agentbus.errors import Refused
 
-journal, tries, gate = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+journal, tries = sys.argv[1], int(sys.argv[2])
 refused = []
 with AgentBus() as bus:
     bus.list(limit=1)  # connected before the start
     open(f"{journal}.{os.getpid()}.ready", "w").close()
-    while not os.path.exists(gate):  # all start together
-        time.sleep(0.01)
+    sys.stdin.readline()  # all start together, when the test says go
     for _ in range(tries):
         try:
             with bus.permit("gpt", agent="codex"):
                 began = time.time()
-                time.sleep(0.002)  # the call: long enough for slots to overlap if they could
+                bus.list(limit=1)  # the call: a read, so that slots would overlap if they could
                 line = {"pid": os.getpid(), "began": began, "ended": time.time()}
                 with open(journal, "a") as out:
                     out.write(json.dumps(line) + "\\n")
@@ -167,12 +166,13 @@ def test_permits_from_three_processes_never_exceed_the_window_or_the_slots(
     config.write_text(CONFIG.format(rpm=20, concurrency=2))
     script = tmp_path / "permits.py"
     script.write_text(textwrap.dedent(PERMIT_LOOP))
-    journal, gate = tmp_path / "journal.jsonl", tmp_path / "go"
+    journal = tmp_path / "journal.jsonl"
     env = {**clean_env(), "AGENTBUS_DATABASE_URL": db_url, "AGENTBUS_CONFIG": str(config)}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(journal), "40", str(gate)],
+            [sys.executable, str(script), str(journal), "40"],
             env=env,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -180,7 +180,10 @@ def test_permits_from_three_processes_never_exceed_the_window_or_the_slots(
         for _ in range(3)
     ]
     wait_until(lambda: len(list(tmp_path.glob("journal.jsonl.*.ready"))) == 3, timeout=60)
-    gate.touch()
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()  # communicate() closes it
     refused: list[int | str] = []
     for proc in procs:
         out, err = proc.communicate(timeout=120)
