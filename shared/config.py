@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from agentbus import masking
 from agentbus.catalog import Catalog, parse_catalog
@@ -433,6 +433,17 @@ class Config:
     def reload(self) -> Config:
         """The config file read again, with the flags and environment of the first read."""
         return load_config(self.path, self.overrides, self.environ)
+
+
+class Configured(Protocol):
+    """What a component reads its config from: a ``LiveConfig``, or a view derived from
+    one (``agentbus.admission.tools.ToolView``)."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def catalog(self) -> Catalog: ...
 
 
 class LiveConfig:

@@ -37,6 +37,7 @@ def test_the_example_config_shows_every_catalog_key() -> None:
     keys = set().union(*catalog_toml._KEYS.values()) | {"key_env", "rpm", "models", "candidates"}
     keys |= {"fallback", "role", "rate", "rate_window_sec", "bulkhead", "default_role"}
     keys |= {"input_cost_per_1k", "output_cost_per_1k", "provider", "name", "account", "params"}
+    keys |= {*catalog_toml._MCP_COUNTS, *catalog_toml._MCP_TIMES, "client_header", "concurrency"}
     for key in sorted(keys):
         shown = (f"{key} =", f".{key}.", f"{{ {key} =")  # a key, a table, an inline key
         assert any(form in text for form in shown), key

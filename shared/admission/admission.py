@@ -49,7 +49,7 @@ from agentbus.admission.gates import (
 from agentbus.admission.limits import KeptLimits, Limits
 from agentbus.admission.routing import Candidate, KeptResolutions, Resolution, fingerprint
 from agentbus.catalog import Catalog
-from agentbus.config import Config, LiveConfig, Settings
+from agentbus.config import Config, Configured, LiveConfig, Settings
 from agentbus.db import Database
 from agentbus.logging import get_logger
 from agentbus.prepared import at_once, can_run_at_once, prepared
@@ -101,7 +101,7 @@ class Admission:
     def __init__(
         self,
         db: Database,
-        config: Config | LiveConfig,
+        config: Config | Configured,
         *,
         worker: str,
         cooldowns: CooldownStore,
@@ -132,7 +132,9 @@ class Admission:
         self._limits = KeptLimits()
         # A reloaded config applies at the next call: windows, slots and circuits
         # live on in the database, keyed by the names the config gives.
-        self.live = config if isinstance(config, LiveConfig) else LiveConfig(config, watch=False)
+        self.live: Configured = (
+            LiveConfig(config, watch=False) if isinstance(config, Config) else config
+        )
         self.circuits = CircuitStore(worker, lambda: self.settings)
 
     @property
@@ -462,6 +464,7 @@ class Admission:
         now = self.clock()
         windows = [self.settings.rpm_window_sec, self.settings.circuit_window_sec]
         windows += [a.rate_window_sec for a in self.catalog.agents.values()]
+        windows.append(self.catalog.mcp.client_rate_window_sec)  # governed MCP clients
         cutoff = now - max(windows)
 
         def work(conn: Connection) -> int:

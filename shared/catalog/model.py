@@ -31,6 +31,11 @@ every key)::
     [routing]
     default_role = "general"         # for tasks that name a role not configured
 
+    [mcp]                            # the tools/call of MCP servers under agentbus.mcp.govern
+    client_rate = 50                 # calls per client per client_rate_window_sec (0: none)
+    [mcp.tools.export_report]
+    concurrency = 2                  # or: bulkhead = "heavy", a pool of [bulkheads]
+
 Model ids that start with ``sim/`` and are not listed belong to the simulated
 provider ``sim`` (unlimited unless ``[providers.sim]`` sets limits). Every
 problem is one ConfigError naming where it is (``agentbus.catalog.parse``).
@@ -131,6 +136,29 @@ class AgentConfig:
 
 
 @dataclass(frozen=True)
+class ToolConfig:
+    """One entry of ``[mcp.tools]``: its own concurrency, or a pool of ``[bulkheads]``."""
+
+    name: str
+    concurrency: int | None = None
+    bulkhead: str | None = None
+
+
+@dataclass(frozen=True)
+class McpConfig:
+    """``[mcp]``: how governed MCP servers admit ``tools/call`` (``agentbus.mcp``)."""
+
+    client_rate: int = 50  # calls per client per window (0: no window)
+    client_rate_window_sec: float = 1.0
+    default_concurrency: int = 20  # a tool without an entry in ``tools``
+    slot_wait_ms: float = 100.0  # wait this long for a slot, then refuse
+    circuit_consecutive_failures: int = 5
+    circuit_open_sec: float = 30.0
+    client_header: str | None = None  # streamable HTTP: the header naming the client
+    tools: Mapping[str, ToolConfig] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Catalog:
     providers: Mapping[str, ProviderConfig] = field(default_factory=dict)
     models: Mapping[str, ModelConfig] = field(default_factory=dict)
@@ -138,6 +166,7 @@ class Catalog:
     agents: Mapping[str, AgentConfig] = field(default_factory=dict)
     bulkheads: Mapping[str, int] = field(default_factory=dict)
     default_role: str | None = None  # what a task naming an unconfigured role runs as
+    mcp: McpConfig = field(default_factory=McpConfig)
 
     def knows(self, model: str) -> bool:
         return model.startswith(SIMULATED_PREFIX) or model in self.models

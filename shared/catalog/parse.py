@@ -18,16 +18,18 @@ from agentbus.catalog.model import (
     AgentConfig,
     CandidateSpec,
     Catalog,
+    McpConfig,
     ModelConfig,
     ProviderConfig,
     RoleConfig,
+    ToolConfig,
 )
 from agentbus.errors import ConfigError
 from agentbus.providers import chat
 from agentbus.providers.outcomes import FAILURE_NAMES as OUTCOME_NAMES
 
 #: Tables of the config file that are the catalog, not settings.
-SECTIONS = ("providers", "models", "roles", "agents", "bulkheads", "routing")
+SECTIONS = ("providers", "models", "roles", "agents", "bulkheads", "routing", "mcp")
 _LIMITS = {"accounts", "concurrency", "rpm", "circuit", "timeout_sec"}
 _KEYS = {
     "openai": _LIMITS | {"kind", "base_url", "api_key_env"},
@@ -81,7 +83,58 @@ def parse_catalog(doc: Mapping[str, Any]) -> Catalog:
     for name in roles:
         _no_loop(roles, name)
     agents = {name: _agent(catalog, roles, name, body) for name, body in _section(doc, "agents")}
-    return Catalog(providers, models, roles, agents, bulkheads, default_role)
+    mcp = _mcp(doc.get("mcp", {}), bulkheads)
+    return Catalog(providers, models, roles, agents, bulkheads, default_role, mcp)
+
+
+#: The numbers of ``[mcp]``: how each is checked (counts are whole, at least 1 unless 0
+#: means none; times are positive).
+_MCP_COUNTS = {"client_rate": 0, "default_concurrency": 1, "circuit_consecutive_failures": 1}
+_MCP_TIMES = {"client_rate_window_sec": False, "slot_wait_ms": True, "circuit_open_sec": False}
+
+
+def _mcp(body: Any, bulkheads: Mapping[str, int]) -> McpConfig:
+    if not isinstance(body, dict):
+        raise ConfigError("[mcp] must be a table")
+    _only(body, "[mcp]", {*_MCP_COUNTS, *_MCP_TIMES, "client_header", "tools"})
+    values: dict[str, Any] = {}
+    for key, least in _MCP_COUNTS.items():
+        if key in body:
+            value = body[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"[mcp] {key} must be a whole number of at least {least}")
+            values[key] = value
+    for key, zero in _MCP_TIMES.items():
+        if key in body:
+            time = body[key]
+            if (
+                isinstance(time, bool)
+                or not isinstance(time, (int, float))
+                or not math.isfinite(time)
+                or not (time >= 0 if zero else time > 0)
+            ):
+                bound = "0 or more" if zero else "positive"
+                raise ConfigError(f"[mcp] {key} must be a number, {bound}")
+            values[key] = float(time)
+    if "client_header" in body:
+        header = _str(body, "client_header", "[mcp]")
+        if not re.fullmatch(r"[A-Za-z0-9-]+", header):
+            raise ConfigError("[mcp] client_header must be an HTTP header name")
+        values["client_header"] = header.lower()
+    tools = {}
+    for name, entry in _section(body, "tools", where="[mcp.tools]"):
+        where = f"[mcp.tools.{name}]"
+        _only(entry, where, {"concurrency", "bulkhead"})
+        if ("concurrency" in entry) == ("bulkhead" in entry):
+            raise ConfigError(f"{where}: give either concurrency or bulkhead")
+        if "bulkhead" in entry:
+            pool = entry["bulkhead"]
+            if pool not in bulkheads:
+                raise ConfigError(f"{where}: unknown bulkhead {pool!r} (not in [bulkheads])")
+            tools[name] = ToolConfig(name, bulkhead=pool)
+        else:
+            tools[name] = ToolConfig(name, _count(entry["concurrency"], f"{where} concurrency"))
+    return McpConfig(**values, tools=tools)
 
 
 def _no_loop(roles: Mapping[str, RoleConfig], start: str) -> None:
@@ -276,15 +329,18 @@ def _env_name(body: Mapping[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _section(doc: Mapping[str, Any], key: str, *, tables: bool = True) -> list[tuple[str, Any]]:
+def _section(
+    doc: Mapping[str, Any], key: str, *, tables: bool = True, where: str | None = None
+) -> list[tuple[str, Any]]:
+    where = where or f"[{key}]"
     section = doc.get(key, {})
     if not isinstance(section, dict):
-        raise ConfigError(f"[{key}] must be a table")
+        raise ConfigError(f"{where} must be a table")
     for name, body in section.items():
         if not NAME_RE.match(name):
-            raise ConfigError(f"[{key}]: invalid name {name!r}")
+            raise ConfigError(f"{where}: invalid name {name!r}")
         if tables and not isinstance(body, dict):
-            raise ConfigError(f"[{key}.{name}] must be a table")
+            raise ConfigError(f"{where[:-1]}.{name}] must be a table")
     return list(section.items())
 
 
