@@ -157,3 +157,56 @@ def bench_permits(db: Database, calls: int) -> list[tuple[str, str]]:
         p50, p99 = took[len(took) // 2], took[min(len(took) - 1, len(took) * 99 // 100)]
         rows.append((f"permit, {label}", f"p50 {p50 * 1e6:,.0f} µs, p99 {p99 * 1e6:,.0f} µs"))
     return rows
+
+
+def bench_mcp(url: str, calls: int) -> list[tuple[str, str]]:
+    """One MCP ``tools/call`` through the SDK's in-process client, p50 and p99: a server
+    left alone, and one under ``agentbus.mcp.govern`` (a bulkhead and a circuit; then a
+    client window as well)."""
+    import anyio
+    from mcp import Client
+    from mcp.server.mcpserver import MCPServer
+    from mcp.types import Implementation
+
+    from agentbus.mcp import govern
+
+    def server(config: str | None) -> tuple[MCPServer, object]:
+        made = MCPServer("bench")
+
+        @made.tool()
+        def echo(text: str) -> str:
+            return text
+
+        if config is None:
+            return made, None
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "agentbus.toml"
+            path.write_text(f'database_url = "{url}"\n[mcp]\n{config}\n')
+            return made, govern(made, config=path)
+
+    async def timed(made: MCPServer) -> list[float]:
+        info = Implementation(name="bench", version="1")
+        async with Client(made, client_info=info) as client:
+            await client.call_tool("echo", {"text": "warm"})
+            took = []
+            for _ in range(calls):
+                started = time.perf_counter()
+                await client.call_tool("echo", {"text": "hi"})
+                took.append(time.perf_counter() - started)
+        return sorted(took)
+
+    rows = []
+    for label, config in (
+        ("ungoverned", None),
+        ("governed: bulkhead and circuit", "client_rate = 0"),
+        ("governed: client window as well", "client_rate = 1000000"),
+    ):
+        made, gateway = server(config)
+        took = anyio.run(timed, made)
+        if gateway is not None:
+            gateway.close()  # type: ignore[attr-defined]
+        p50, p99 = took[len(took) // 2], took[min(len(took) - 1, len(took) * 99 // 100)]
+        rows.append(
+            (f"MCP tools/call, {label}", f"p50 {p50 * 1e6:,.0f} µs, p99 {p99 * 1e6:,.0f} µs")
+        )
+    return rows

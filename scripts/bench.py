@@ -120,7 +120,7 @@ import psycopg
 import sqlalchemy as sa
 import startup
 import turns
-from admission_bench import bench_admission, bench_fleet_admission, bench_permits
+from admission_bench import bench_admission, bench_fleet_admission, bench_mcp, bench_permits
 from processes import together
 from worker_bench import bench_workers
 
@@ -343,6 +343,7 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     rows += bench_admission(db, args.admissions)
     rows += bench_permits(db, args.admissions)
     db.dispose()
+    rows += bench_mcp(url, args.admissions)
     rows += bench_workers(url, args.sqlite_synchronous, args.tasks // 2)
     rows += bench_sweeper(url, args.sqlite_synchronous, [int(n) for n in args.paused.split(",")])
     rows += latency.resume(url, args.sqlite_synchronous)

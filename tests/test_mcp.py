@@ -148,7 +148,7 @@ def most_at_once(events: list[dict[str, Any]]) -> int:
 
 
 def test_a_flood_keeps_its_bulkhead_across_processes_and_others_pass(
-    connect: Connect, folder: Path, db_url: str
+    connect: Connect, folder: Path, db_url: str, run_busctl: Callable[..., Any]
 ) -> None:
     async def main() -> tuple[list[Any], list[Any], list[Any]]:
         async with sessions(connect, "flooder") as a, sessions(connect, "quiet") as b:
@@ -202,6 +202,13 @@ def test_a_flood_keeps_its_bulkhead_across_processes_and_others_pass(
     assert sorted(rows) == [("mcp:flooder", "mcp:heavy", "bulkhead_full")] * 9
     assert counted == 9
     assert holders == 2  # each process had 6 calls, and refused 3 at least
+    shown = run_busctl("refusals", "--json", env={"AGENTBUS_DATABASE_URL": db_url})
+    assert shown.returncode == 0, shown.stderr
+    listed = json.loads(shown.stdout)
+    assert len(listed) == 9 and {r["agent"] for r in listed} == {"mcp:flooder"}
+    assert {(r["candidate"], r["code"], r["task_id"]) for r in listed} == {
+        ("mcp:heavy", -32002, None)
+    }
 
 
 def test_a_client_window_is_shared_by_the_processes(connect: Connect, folder: Path) -> None:

@@ -301,6 +301,22 @@ def routes_cmd(c: Context, limit: int, task_id: int | None, as_json: bool) -> No
     click.echo(render.routes(rows))
 
 
+@busctl.command("refusals")
+@click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_ctx
+def refusals_cmd(c: Context, limit: int, as_json: bool) -> None:
+    """Calls refused by admission, newest first: workers' candidates and governed MCP
+    tools (agent mcp:<client>), with the gate, the code and when it admits again."""
+    from agentbus.queue import reads
+
+    rows = reads.refusals(c.database(), limit=limit)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, default=str))
+        return
+    click.echo(render.refusal_rows(rows))
+
+
 @busctl.command("kpi")
 @click.option("--since", metavar="DURATION", help="Only the last DURATION (90s, 15m, 2h, 7d).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")

@@ -120,6 +120,27 @@ def refusals(by_candidate: dict[str, dict[str, Any]]) -> str:
     )
 
 
+def refusal_rows(rows: list[dict[str, Any]]) -> str:
+    """Refusals, newest first, as ``busctl refusals`` prints them."""
+    return cli.table(
+        ["at", "agent", "task", "candidate", "code", "name", "gate", "retry after", "detail"],
+        [
+            [
+                cli.fmt_time(r["at"]),
+                r["agent"],
+                r["task_id"] or "",
+                r["candidate"],
+                r["code"],
+                r["name"],
+                r["gate"],
+                f"{r['retry_after_ms']} ms",
+                r["detail"],
+            ]
+            for r in rows
+        ],
+    )
+
+
 def routes(rows: list[dict[str, Any]]) -> str:
     """Routing decisions, newest first, as ``busctl routes`` prints them."""
     table = []

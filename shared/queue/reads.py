@@ -66,6 +66,28 @@ def routes(db: Database, *, limit: int = 50, task_id: int | None = None) -> list
     return [dict(r._mapping) for r in db.read(lambda conn: conn.execute(stmt).all())]
 
 
+def refusals(db: Database, *, limit: int = 50) -> list[dict[str, Any]]:
+    """The newest refusals, newest first: of a worker's candidates (agent, task, model)
+    and of governed MCP calls (agent ``mcp:<client>``, model ``mcp:<tool>``, no task)."""
+    r = route_log.c
+    stmt = (
+        sa.select(r.at, r.agent, r.task_id, r.model, r.account, r.refusal)
+        .where(r.refusal.is_not(None))
+        .order_by(r.id.desc())
+        .limit(limit)
+    )
+    return [
+        {
+            "at": row.at,
+            "agent": row.agent,
+            "task_id": row.task_id or None,
+            "candidate": f"{row.model}@{row.account}" if row.account else row.model,
+            **row.refusal,
+        }
+        for row in db.read(lambda conn: conn.execute(stmt).all())
+    ]
+
+
 def circuit_states(db: Database) -> list[dict[str, Any]]:
     """Every provider circuit the workers have written."""
     stmt = sa.select(circuits).order_by(circuits.c.provider)
