@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -23,6 +23,9 @@ from agentbus.db import Database, dialect_insert
 from agentbus.logging import get_logger
 from agentbus.schema import cooldown_history
 from agentbus.schema import model_cooldown as mc
+
+if TYPE_CHECKING:
+    from agentbus.config import Settings
 
 log = get_logger("agentbus.cooldowns")
 
@@ -61,6 +64,16 @@ class CooldownStore:
                 "updated_at": stmt.excluded.updated_at,
             },
         ).returning(mc.c.cooldown_until)
+
+    @classmethod
+    def configured(cls, db: Database, settings: Settings) -> CooldownStore:
+        """The store of a process that admits calls, its caches as ``settings`` say."""
+        return cls(
+            db,
+            cache_sec=settings.cooldown_cache_sec,
+            slow_read_ms=settings.cooldown_slow_read_ms,
+            slow_cache_sec=settings.cooldown_slow_cache_sec,
+        )
 
     # -- reading -------------------------------------------------------------
 

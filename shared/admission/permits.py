@@ -79,12 +79,7 @@ class Permits:
     def open(cls, db: Database, config: Config | LiveConfig, *, holder: str = "") -> Permits:
         """The permits of a process that has no admission of its own (a producer)."""
         settings = config.settings
-        cooldowns = CooldownStore(
-            db,
-            cache_sec=settings.cooldown_cache_sec,
-            slow_read_ms=settings.cooldown_slow_read_ms,
-            slow_cache_sec=settings.cooldown_slow_cache_sec,
-        )
+        cooldowns = CooldownStore.configured(db, settings)
         admission = Admission(
             db,
             config,

@@ -138,12 +138,7 @@ class ToolGate:
         self.db = db
         self.live = live
         settings = live.settings
-        cooldowns = CooldownStore(
-            db,
-            cache_sec=settings.cooldown_cache_sec,
-            slow_read_ms=settings.cooldown_slow_read_ms,
-            slow_cache_sec=settings.cooldown_slow_cache_sec,
-        )
+        cooldowns = CooldownStore.configured(db, settings)
         self.admission = Admission(
             db,
             ToolView(live),
