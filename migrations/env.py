@@ -13,9 +13,9 @@ from logging.config import fileConfig
 import sqlalchemy as sa
 from alembic import context
 
-from agentbus.config import DEFAULT_DATABASE_URL
 from agentbus.db import Database
 from agentbus.schema import metadata
+from agentbus.settings import DEFAULT_DATABASE_URL
 
 MIGRATION_LOCK = 0x6D696772617465  # "migrate"
 config = context.config
