@@ -36,12 +36,13 @@ from agentbus.errors import TransitionRejected
 from agentbus.logging import get_logger
 from agentbus.observations import Observations
 from agentbus.providers import Providers
-from agentbus.queue import TaskQueue, wakeups
+from agentbus.queue import TaskQueue
 from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
 from agentbus.queue.tasks import Task
 from agentbus.queue.workers import WorkerRegistry, new_worker_id
 from agentbus.worker import policy
 from agentbus.worker.announce import announce
+from agentbus.worker.idle import Idle
 from agentbus.worker.runner import Run, Runner
 from agentbus.worker.watchdog import Watchdog
 
@@ -71,12 +72,7 @@ class Worker:
         self.config = config
         self.providers = Providers(config, os.environ)
         self.backoff_steps = settings.backoff_steps()
-        cooldowns = CooldownStore(
-            db,
-            cache_sec=settings.cooldown_cache_sec,
-            slow_read_ms=settings.cooldown_slow_read_ms,
-            slow_cache_sec=settings.cooldown_slow_cache_sec,
-        )
+        cooldowns = CooldownStore.configured(db, settings)
         self.budget = budget = client_budget(db, settings, holder=self.id)
         self.admission = Admission(
             db,
@@ -96,20 +92,13 @@ class Worker:
             clock=db.clock,
         )
         self.stopping = threading.Event()
-        self._wake = threading.Event()  # a task was queued for us, or stop: look now
-        self._look_when_due = False  # an idle wait ended by a wake-up: see _wait_for_work
-        self._listener: wakeups.Listener | None = None
-        if db.listen_conninfo is not None and not options.drain:
-            self._listener = wakeups.Listener(
-                db.listen_conninfo,
-                self._wake.set,
-                payload=options.agent,
-                application_name=db.application_name,
-            )
-        # Looks for due tasks through the pooler, ever less often while idle (PostgreSQL
-        # behind a pooler with no listen_url); SQLite looks every LOOK_SEC.
-        self._pooled_looks = db.dialect == "postgresql" and self._listener is None
-        self._idle_since: float | None = None  # time.monotonic() of the first empty claim
+        self.idle = Idle(
+            self.queue,
+            options.agent,
+            options.poll_sec,
+            stopping=self.stopping,
+            listen=not options.drain,
+        )
         self._slots = (
             ThreadPoolExecutor(options.concurrency, thread_name_prefix="slot")
             if options.concurrency > 1
@@ -136,7 +125,7 @@ class Worker:
         if self._stop_reason is None:
             self._stop_reason = reason
         self.stopping.set()
-        self._wake.set()
+        self.idle.wake()
 
     def noticed_stop(self) -> None:
         """Say once that a stop was asked for (the loop or the watchdog, whichever sees it
@@ -151,8 +140,7 @@ class Worker:
         self.registry.register()
         self._watchdog.start()
         announce(self)
-        if self._listener is not None:
-            self._listener.start()
+        self.idle.start()
         processed = 0
         try:
             while not self.stopping.is_set():
@@ -165,19 +153,17 @@ class Worker:
                 if room is None:  # --max-tasks reached
                     break
                 if room == 0:  # every slot busy: wait for one to free
-                    self._wait(self.options.poll_sec)
+                    self.idle.wait(self.options.poll_sec)
                     continue
                 self._reload_if_changed()
                 tasks = self._claim(room)  # acknowledging the last completions with it
                 if not tasks:
                     if self.options.drain and not self._in_slots:
                         break
-                    self._went_idle()
-                    self._wait_for_work()
+                    self.idle.found_nothing(running=bool(self._in_slots))
+                    self.idle.wait_for_work()
                     continue
-                if self._idle_since is not None:
-                    self._idle_since = None
-                    self.queue.db.pinned.rest(False)
+                self.idle.found_work()
                 processed += len(tasks)
                 with self._lock:
                     self._held.update((task.id, task) for task in tasks)
@@ -188,8 +174,7 @@ class Worker:
                 else:
                     self._run_in_turn(tasks)
         finally:
-            if self._listener is not None:
-                self._listener.close()
+            self.idle.close()
             self.noticed_stop()
             if self._slots is not None:
                 self._finish_slots()
@@ -221,53 +206,6 @@ class Worker:
             room = min(room, left)
         return room
 
-    def _wait(self, timeout: float) -> bool:
-        """Until a slot frees, a task is queued for us, a stop, or ``timeout``."""
-        if self._wake.wait(timeout):
-            self._wake.clear()
-            return True
-        return False
-
-    def _went_idle(self) -> None:
-        """A claim found nothing: once that has lasted ``wakeups.REST_SEC`` with no task
-        running, the claims' own connection is given back (an idle worker holds one)."""
-        now = time.monotonic()
-        if self._idle_since is None:
-            self._idle_since = now
-        elif now - self._idle_since >= wakeups.REST_SEC and not self._in_slots:
-            self.queue.db.pinned.rest()
-
-    def _wait_for_work(self) -> None:
-        """Idle: return when a task may be due — notified (PostgreSQL), seen by a cheap
-        look every LOOK_SEC (SQLite; through a pooler, ``wakeups.look_sec``) — when a
-        slot frees, on a stop, or after ``poll_sec`` in any case (through a pooler,
-        ``wakeups.claim_every``: its looks see what a claim would). After a wake-up whose
-        claim found nothing due (PostgreSQL), it ends when the agent's earliest queued
-        task is due, if sooner: a task delayed a little, or stamped by a clock a little
-        ahead, is claimed on time."""
-        look = self._listener is None or not self._listener.listening.is_set()
-        due_in = self.queue.due_in(self.options.agent) if self._look_when_due and not look else None
-        self._look_when_due = False
-        wait = wakeups.claim_every(self.options.poll_sec, pooled=self._pooled_looks)
-        if due_in is not None and due_in < wait:  # end at that task's time
-            wait = max(due_in, wakeups.AGAIN_SEC)
-        deadline = time.monotonic() + wait
-        while not self.stopping.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                # At a task's time: should the claim find it a hair early, look again.
-                self._look_when_due = due_in is not None and 0 < due_in < self.options.poll_sec
-                return
-            every = wakeups.look_sec(self._idle_for(), pooled=self._pooled_looks)
-            if self._wait(min(every, left) if look else left):
-                self._look_when_due = True
-                return
-            if look and self.queue.has_due(self.options.agent):
-                return
-
-    def _idle_for(self) -> float:
-        return 0.0 if self._idle_since is None else time.monotonic() - self._idle_since
-
     def _backing_off(self) -> bool:
         """After genuine failures: acknowledge what is done and wait (no claim) until the
         backoff is over or a stop; True while it lasts."""
@@ -275,7 +213,7 @@ class Worker:
         if left > 0:
             if self._acks:
                 self._claim(0)
-            self._wait(left)
+            self.idle.wait(left)
             return True
         if self.registry.backoff_until is not None:
             self.registry.backoff_until = None
@@ -314,14 +252,14 @@ class Worker:
         finally:
             with self._lock:
                 self._in_slots.discard(task.id)
-            self._wake.set()
+            self.idle.wake()
 
     def _finish_slots(self) -> None:
         """Stopping: the running calls finish (the watchdog ends them when the grace
         period is over); their completions are acknowledged as they come."""
         assert self._slots is not None
         while self._in_slots:
-            self._wait(0.1)
+            self.idle.wait(0.1)
             if self._acks:
                 try:
                     self._claim(0)
