@@ -24,16 +24,17 @@ streamable HTTP, the header ``[mcp] client_header`` names; else the ``clientInfo
 of the initialize request. The last two are what the client says it is: a client that
 lies about its name gets another's window, or one of its own.
 
-A call whose arguments do not match the tool's input schema, or names a tool the
-server does not have, is not governed: the server answers it as it always does, and
-it counts against no circuit. A call that raises, or whose result says ``isError``,
-counts as a failure of the tool.
+A call that raises, or whose result says ``isError``, counts as a failure of the
+tool; unless its arguments do not match the tool's input schema, or it names a tool
+the server does not list: that is the caller's mistake. Such a call passes the gates
+like any other (its client's window, a slot) and its error counts against no circuit.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -47,13 +48,14 @@ from agentbus.admission.gates import SLOT_CODES, Code, Refusal
 from agentbus.admission.tools import ToolGate
 from agentbus.config import LiveConfig, load_config
 from agentbus.db import Database
+from agentbus.errors import BusError
 from agentbus.logging import get_logger
 
 log = get_logger("agentbus.mcp")
 
 SUGGESTED_ACTION = "DO_NOT_RETRY_IMMEDIATELY"
-#: The longest client name kept (a longer one is cut): names become rows' keys.
-MAX_CLIENT = 128
+#: The longest client or tool name kept (a longer one is cut): names become rows' keys.
+MAX_NAME = 128
 _SLOT_LOOK_SEC = 0.02  # how often a call waiting for a slot looks again
 #: JSON-RPC errors that are the caller's mistake, not the tool's failure.
 _CALLER_ERRORS = frozenset({-32602, -32601, -32600})  # invalid params, no method, invalid
@@ -71,8 +73,16 @@ def govern(
     """Put ``server``'s ``tools/call`` under admission: an ``MCPServer`` or a low-level
     ``Server`` of the ``mcp`` SDK (2.x). ``config``: the agentbus config file (else
     $AGENTBUS_CONFIG, else ./agentbus.toml); ``url``: the database (else the config's).
-    The gateway is the last middleware of the server's chain; it is returned."""
-    gateway = Gateway.open(config=config, url=url, holder=holder, tools=_tool_lister(server))
+    The gateway is the last middleware of the server's chain; it is returned.
+
+    A config that does not read, or a database that is not there or not migrated, ends
+    the server as it starts: one line on stderr and the exit status of the error (2 for
+    a config error), as agentbus's own programs do (``Gateway.open`` raises instead)."""
+    try:
+        gateway = Gateway.open(config=config, url=url, holder=holder, tools=_tool_lister(server))
+    except BusError as exc:
+        print(f"agentbus.mcp: {exc.message}", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
     server.middleware.append(gateway)
     return gateway
 
@@ -128,8 +138,12 @@ class Gateway:
             return await call_next(ctx)
         params = ctx.params if isinstance(ctx.params, Mapping) else {}
         tool = params.get("name")
-        if not isinstance(tool, str) or not await self._well_formed(tool, params):
-            return await call_next(ctx)  # the server answers it: nothing to govern
+        if not isinstance(tool, str):
+            return await call_next(ctx)  # names no tool: the server refuses the request
+        tool = tool[:MAX_NAME]
+        # Governed all the same; but a call the tool's schema refuses fails by the
+        # caller's fault, not the tool's: its error counts against no circuit.
+        counts = await self._well_formed(tool, params)
         client = client_of(ctx, self.gate.mcp.client_header)
         answer = await self._admit(tool, client)
         if isinstance(answer, Refusal):
@@ -139,10 +153,10 @@ class Gateway:
         failed: bool | None = None
         try:
             result = await call_next(ctx)
-            failed = _is_error(result)
+            failed = _is_error(result) if counts else None
             return result
         except Exception as exc:
-            failed = getattr(exc, "code", None) not in _CALLER_ERRORS
+            failed = counts and getattr(exc, "code", None) not in _CALLER_ERRORS
             raise
         finally:
             with anyio.CancelScope(shield=True):  # a cancelled call still gives its slot back
@@ -194,9 +208,11 @@ class Gateway:
     # -- which calls are governed ------------------------------------------------
 
     async def _well_formed(self, tool: str, params: Mapping[str, Any]) -> bool:
-        """Whether the call names a tool the server has, with arguments its input schema
-        takes (unknown: yes; the schemas come from the server, or from a tools/list)."""
-        if self._schemas is None and self._list_tools is not None:
+        """Whether the call names a tool the server lists, with arguments its input
+        schema takes (not known: yes; the schemas come from ``MCPServer.list_tools``, or
+        from the tools/list results that pass)."""
+        known = self._schemas is not None and tool in self._schemas
+        if not known and self._list_tools is not None:  # a tool added since: list again
             try:
                 self._learn({"tools": await self._list_tools()})
             except Exception as exc:
@@ -236,7 +252,7 @@ def client_of(ctx: Any, header: str | None) -> str:
         params = getattr(ctx.session, "client_params", None)
         info = getattr(params, "client_info", None)
         name = getattr(info, "name", None)
-    return str(name)[:MAX_CLIENT] if name else "anonymous"
+    return str(name)[:MAX_NAME] if name else "anonymous"
 
 
 def _tool_lister(server: Any) -> Callable[[], Awaitable[list[Any]]] | None:

@@ -127,8 +127,9 @@ async def call(session: Any, tool: str, arguments: dict[str, Any]) -> Any:
     try:
         result = await session.call_tool(tool, arguments)
     except MCPError as exc:
-        assert exc.data["suggested_action"] == "DO_NOT_RETRY_IMMEDIATELY"
-        assert exc.data["retry_after_ms"] >= 0
+        if exc.code in (-32000, -32001, -32002):  # a refusal, not the server's own error
+            assert exc.data["suggested_action"] == "DO_NOT_RETRY_IMMEDIATELY"
+            assert exc.data["retry_after_ms"] >= 0
         return exc.code
     return "error" if result.is_error else "ok"
 
@@ -165,17 +166,19 @@ def test_a_flood_keeps_its_bulkhead_across_processes_and_others_pass(
                         await anyio.sleep(0.01)
                 # the green lane: another client's light calls, while the flood holds
                 light = [await call(b[i % 2], "light", {}) for i in range(10)]
-                # malformed arguments inside the flood: the server's own answer
-                bad = [await call(a[i % 2], "heavy", {"n": "many"}) for i in range(2)]
                 (folder / "go").touch()
+            # malformed arguments, more than the circuit's 5: the server's own answer,
+            # which opens no circuit
+            bad = [await call(a[i % 2], "heavy", {"n": "many"}) for i in range(6)]
+            bad.append(await call(a[0], "heavy", {"n": 99}))
         return heavy, light, bad
 
     heavy, light, bad = anyio.run(main)
     assert sorted(heavy, key=str) == [-32002] * 9 + ["ok"] * 3
     assert light == ["ok"] * 10
-    assert bad == ["error", "error"]
+    assert bad == ["error"] * 6 + ["ok"]
     calls = journal(folder, "heavy")
-    assert len(calls) == 6 and most_at_once(calls) == 3  # 3 started and ended
+    assert len(calls) == 8 and most_at_once(calls) == 3  # 3 + 1 started and ended
 
     db = Database(db_url)
     try:
@@ -327,3 +330,101 @@ def test_the_example_of_docs_mcp_runs(db_url: str, tmp_path: Path) -> None:
             return [*said, await call(s, "execute_analytics_query", {"sql": "select 1"})]
 
     assert anyio.run(main) == ["ok", "ok", "ok", -32000]
+
+
+def test_a_low_level_server_is_governed_too(db_url: str, tmp_path: Path) -> None:
+    """The SDK's low-level ``Server``: its tools' schemas come from its tools/list."""
+    from mcp import types
+    from mcp.server.lowlevel import Server
+
+    from agentbus.mcp import govern
+
+    config = tmp_path / "agentbus.toml"
+    config.write_text(
+        f'database_url = "{db_url}"\n[mcp]\nslot_wait_ms = 0\n[mcp.tools.slow]\nconcurrency = 1\n'
+    )
+    release, started = anyio.Event(), anyio.Event()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+
+    async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=[types.Tool(name="slow", input_schema=schema)])
+
+    async def call_tool(ctx: Any, params: Any) -> types.CallToolResult:
+        if params.name != "slow":
+            raise MCPError(-32602, f"no tool {params.name}")
+        started.set()
+        await release.wait()
+        return types.CallToolResult(content=[types.TextContent(type="text", text="done")])
+
+    server = Server("low", on_list_tools=list_tools, on_call_tool=call_tool)
+    gateway = govern(server, config=config)
+
+    async def main() -> list[Any]:
+        said: list[Any] = []
+        async with Client(server, client_info=Implementation(name="lo", version="1")) as c:
+            await c.list_tools()
+            async with anyio.create_task_group() as tg:
+
+                async def first() -> None:
+                    said.append(await call(c, "slow", {"n": 1}))
+
+                tg.start_soon(first)
+                await started.wait()
+                said.append(await call(c, "slow", {"n": 2}))  # its one slot is taken
+                said.append(await call(c, "nope", {}))  # not a tool: the server's answer
+                release.set()
+        return said
+
+    try:
+        said = anyio.run(main)
+        refused = gateway.gate.db.read(
+            lambda conn: conn.execute(sa.select(route_log.c.model, route_log.c.code)).all()
+        )
+    finally:
+        gateway.close()
+    assert said == [-32002, -32602, "ok"]
+    assert refused == [("mcp:slow", "bulkhead_full")]
+
+
+def test_the_client_is_its_principal_else_the_header_else_its_name() -> None:
+    from types import SimpleNamespace
+
+    from mcp.server.auth.middleware.auth_context import auth_context_var
+    from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+    from mcp.server.auth.provider import AccessToken
+
+    from agentbus.mcp import client_of
+
+    def ctx(name: str | None, headers: dict[str, str] | None) -> Any:
+        info = SimpleNamespace(client_info=SimpleNamespace(name=name))
+        request = SimpleNamespace(headers=headers) if headers is not None else None
+        return SimpleNamespace(session=SimpleNamespace(client_params=info), request=request)
+
+    assert client_of(ctx("bot", None), "x-agent") == "bot"
+    assert client_of(ctx("bot", {"x-agent": "billing"}), "x-agent") == "billing"
+    assert client_of(ctx("bot", {"x-agent": "billing"}), None) == "bot"  # no header named
+    assert client_of(ctx(None, None), None) == "anonymous"
+    assert client_of(ctx("x" * 500, None), None) == "x" * 128
+    token = AccessToken(token="t", client_id="team-a", scopes=[])
+    held = auth_context_var.set(AuthenticatedUser(token))
+    try:
+        assert client_of(ctx("bot", {"x-agent": "billing"}), "x-agent") == "team-a"
+    finally:
+        auth_context_var.reset(held)
+
+
+def test_a_config_that_does_not_read_stops_the_server_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "agentbus.toml").write_text("[mcp]\nclient_rates = 5\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.mcp_tools", str(tmp_path)],
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"agentbus.mcp: {tmp_path / 'agentbus.toml'}: [mcp]: unknown key 'client_rates'"
+    ]

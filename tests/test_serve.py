@@ -159,9 +159,12 @@ def test_status_and_metrics_over_http(
     }
     assert doc["paused_due_soon"][0]["refusals"] == {"sim/opus": circuit_open}
     (recent,) = doc["recent_refusals"]
-    assert recent == {"task_id": facts["paused"], "candidate": "sim/opus", **circuit_open} | {
-        "at": recent["at"]
-    }
+    assert recent == {
+        "agent": "ron",
+        "task_id": facts["paused"],
+        "candidate": "sim/opus",
+        **circuit_open,
+    } | {"at": recent["at"]}
     assert [c["model"] for c in doc["cooldowns"]] == ["sim/opus"]
     assert [(c["provider"], c["state"]) for c in doc["circuits"]] == [("flaky", "open")]
     assert [w["id"] for w in doc["workers"]] == ["codex@test:1"]

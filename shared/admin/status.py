@@ -86,6 +86,7 @@ def _tables(conn: Connection, now: float) -> dict[str, Any]:
     recent = conn.execute(
         sa.select(
             route_log.c.at,
+            route_log.c.agent,
             route_log.c.task_id,
             route_log.c.model,
             route_log.c.account,
@@ -114,7 +115,8 @@ def _tables(conn: Connection, now: float) -> dict[str, Any]:
         "recent_refusals": [
             {
                 "at": r.at,
-                "task_id": r.task_id,
+                "agent": r.agent,  # mcp:<client> for a governed MCP call (no task)
+                "task_id": r.task_id or None,
                 "candidate": f"{r.model}@{r.account}" if r.account else r.model,
                 **r.refusal,
             }
