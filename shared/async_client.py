@@ -37,9 +37,11 @@ class AsyncAgentBus:
         self.sync = AgentBus(url, settings=settings, by=by)
 
     @contextlib.asynccontextmanager
-    async def permit(self, model: str, *, agent: str) -> AsyncIterator[CallPermit]:
+    async def permit(
+        self, model: str, *, agent: str, tokens: int | None = None
+    ) -> AsyncIterator[CallPermit]:
         """As ``AgentBus.permit``: ``async with bus.permit("gpt-4o", agent="codex") as p``."""
-        held = self.sync.permit(model, agent=agent)
+        held = self.sync.permit(model, agent=agent, tokens=tokens)
         call = await asyncio.to_thread(held.__enter__)
         try:
             yield call

@@ -110,19 +110,23 @@ class AgentBus:
 
     # -- calls of the caller's own ----------------------------------------------
 
-    def permit(self, model: str, *, agent: str) -> AbstractContextManager[CallPermit]:
+    def permit(
+        self, model: str, *, agent: str, tokens: int | None = None
+    ) -> AbstractContextManager[CallPermit]:
         """Leave for one call of ``model`` that the caller makes itself (an SDK's), under
         the admission every worker's call passes; ``agentbus.errors.Refused`` when it is
         refused now. What the block raises, or reports (``p.report(status=…,
         headers=…, usage=…)``), teaches admission as a worker's call would: a 429
-        cools the model for every process. See ``agentbus.admission.permits``."""
+        cools the model for every process. ``tokens``: what the call will use, counted
+        by the daily token budget unless the block reports its usage. See
+        ``agentbus.admission.permits``."""
         if self._permits is None:  # admission is loaded only by a producer that asks
             from agentbus.admission.permits import Permits
 
             self._permits = Permits.open(
                 self.db, LiveConfig(self._config), holder=f"{self.by}-permit"
             )
-        return self._permits.permit(model, agent=agent)
+        return self._permits.permit(model, agent=agent, tokens=tokens)
 
     # -- producing -------------------------------------------------------------
 

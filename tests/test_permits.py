@@ -243,3 +243,40 @@ def test_a_permits_call_and_its_tokens_are_in_the_usage_ledger(bus: AgentBus) ->
         812,
         96,
     )
+
+
+def test_the_tokens_a_permit_names_count_against_the_daily_budget(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentbus.errors import InvalidTask
+    from agentbus.schema import usage_daily
+
+    config = tmp_path / "agentbus.toml"
+    text = CONFIG.format(rpm=100, concurrency=5).replace(
+        "admission_wait_ms = 0", "admission_wait_ms = 0\ndaily_token_budget = 1000"
+    )
+    config.write_text(text)
+    monkeypatch.setenv("AGENTBUS_CONFIG", str(config))
+    with AgentBus(db_url) as bus:
+        for bad in (-1, 1.5, True, "many"):
+            with (
+                pytest.raises(InvalidTask, match="tokens must be"),
+                bus.permit(
+                    "gpt",
+                    agent="codex",
+                    tokens=bad,  # type: ignore[arg-type]
+                ),
+            ):
+                pass
+        with bus.permit("gpt", agent="codex", tokens=300) as p:  # reported: the report wins
+            p.report(usage={"prompt_tokens": 20, "completion_tokens": 5})
+        with bus.permit("gpt", agent="codex", tokens=600):  # nothing reported: its tokens
+            pass
+        with bus.permit("gpt", agent="codex", tokens=400):  # 625 used: under the budget
+            pass
+        with pytest.raises(Refused) as refused, bus.permit("gpt", agent="codex", tokens=1):
+            pass
+        with bus.db.engine.connect() as conn:
+            (row,) = conn.execute(sa.select(usage_daily)).mappings()
+    assert refused.value.name == "budget_exhausted"
+    assert (row["calls"], row["prompt_tokens"], row["completion_tokens"]) == (3, 1020, 5)

@@ -28,7 +28,7 @@ from agentbus.admission.gates import Refusal
 from agentbus.admission.routing import Candidate, Route
 from agentbus.config import Config, LiveConfig
 from agentbus.db import Database
-from agentbus.errors import ConfigError, Refused
+from agentbus.errors import ConfigError, InvalidTask, Refused
 from agentbus.providers.outcomes import Outcome, Succeeded, Usage
 from agentbus.providers.ratelimits import exhausted_for
 
@@ -37,9 +37,10 @@ class CallPermit:
     """Leave to make one call (what ``permit`` yields): ``model``, ``account``, and
     ``report`` to say what the call came to when it did not raise."""
 
-    def __init__(self, admission: Admission, permit: Permit) -> None:
+    def __init__(self, admission: Admission, permit: Permit, tokens: int | None = None) -> None:
         self._admission = admission
         self._permit = permit
+        self.tokens = tokens  # what the caller said the call uses, counted unless reported
         self.model = permit.candidate.model
         self.upstream = permit.candidate.upstream  # the name its provider knows it by
         self.account = permit.candidate.account
@@ -59,9 +60,10 @@ class CallPermit:
 
         lowered = {str(k).lower(): str(v) for k, v in (headers or {}).items()}
         if status == 200:
-            counted = Usage(
-                int((usage or {}).get("prompt_tokens", 0)),
-                int((usage or {}).get("completion_tokens", 0)),
+            counted = (
+                Usage(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
+                if usage is not None
+                else Usage(self.tokens or 0)
             )
             self.outcome = Succeeded("", counted, limit_reset_sec=exhausted_for(lowered))
         else:
@@ -91,7 +93,13 @@ class Permits:
         return cls(admission)
 
     @contextmanager
-    def permit(self, model: str, *, agent: str) -> Iterator[CallPermit]:
+    def permit(self, model: str, *, agent: str, tokens: int | None = None) -> Iterator[CallPermit]:
+        """``tokens``: what the call will use (its prompt and answer), counted in the
+        usage ledger, and so by the daily token budget, unless the block reports usage."""
+        if tokens is not None and (
+            isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0
+        ):
+            raise InvalidTask(f"tokens must be a whole number of 0 or more, got {tokens!r}")
         admission = self.admission
         catalog = admission.catalog
         if not catalog.knows(model):
@@ -108,7 +116,7 @@ class Permits:
             if isinstance(answer, Refusal):
                 refusals.append(answer)
                 continue
-            call = CallPermit(admission, answer)
+            call = CallPermit(admission, answer, tokens)
             with answer:  # the slot goes back whatever happens in the block
                 try:
                     yield call
@@ -117,7 +125,7 @@ class Permits:
                     admission.finish(answer, said)
                     self._count(agent, candidate, said)
                     raise
-                said = call.outcome or Succeeded("")
+                said = call.outcome or Succeeded("", Usage(tokens or 0))
                 admission.finish(answer, said)
                 self._count(agent, candidate, said)
             return

@@ -24,9 +24,10 @@ class CallRequest:
     account: str = ""  # the provider account the call goes through ("" when unnamed)
     payload: Mapping[str, Any] = field(default_factory=dict)
     params: Mapping[str, Any] = field(default_factory=dict)  # the model's defaults + the task's
-    #: ``permit(model)``: leave for a call of the handler's own (a python model's), under
-    #: the worker's admission, as ``AgentBus.permit``; None where the worker gives none.
-    permit: Callable[[str], AbstractContextManager[Any]] | None = field(
+    #: ``permit(model, tokens=None)``: leave for a call of the handler's own (a python
+    #: model's), under the worker's admission, as ``AgentBus.permit``; None where the
+    #: worker gives none.
+    permit: Callable[..., AbstractContextManager[Any]] | None = field(
         default=None, compare=False, repr=False
     )
 
