@@ -3,11 +3,9 @@
 
 Workload (per backend):
 - enqueue, single: N calls of ``TaskQueue.enqueue`` (one transaction each); on
-  SQLite also the same statements on a bare ``sqlite3`` connection, no Python
-  between: the rate the write set of an enqueue allows (scripts/floor.py); the
-  same calls with each ``TaskSpec`` made, so validated, before the clock starts:
-  what the task's validation costs in place; and the writers' turn each enqueue
-  held, timed in place (scripts/turns.py).
+  SQLite also the same calls with each ``TaskSpec`` made, so validated, before
+  the clock starts: what the task's validation costs in place; and the writers'
+  turn each enqueue held, timed in place (scripts/turns.py).
 - enqueue, batch: ``TaskQueue.enqueue_many`` in batches of 500.
 - cooldown check: ``CooldownStore.cooling`` of a 3-model chain with 50 active
   cooldowns, through the 1 s cache and with no cache (one read each time).
@@ -48,25 +46,8 @@ Workload (per backend):
   the CPU is the processes' own (user + system) per task. Bounds on any worker
   with this write set: the machine's busy CPU per task (server and kernel too)
   against its cores; on SQLite the writers' turns, timed in place (one writer
-  commits at a time: B / the mean turn; scripts/turns.py). On SQLite, at batch 1
-  with 1 and 2 processes, also the same statements on bare ``sqlite3``
-  connections taking the same turns, their parameters made ahead, and those
-  turns timed the same way: what those rows cost whatever the code around them
-  (scripts/floor.py); over 2 processes once more with other work after each turn
-  in place of a worker's (small objects encoded as JSON, its time shown): what
-  such work makes the turns cost; and once more with that work and only the two
-  updates of the task state machine, without the events, routing row and usage that
-  agentbus records: what a queue keeping no history would write, so what the records
-  cost. Then the same over 2 processes with the same
-  work, their turns committed by a third process (group commit: every request
-  waiting in one transaction, or waiting for both): what such a process would
-  buy (scripts/floor.py). Once more with 2T
+  commits at a time: B / the mean turn; scripts/turns.py). Once more with 2T
   tasks of the agent queued a day ahead (the due ones must not wait on them).
-
-- machine: what this machine charges for a worker's two waits at batch 1, apart
-  from agentbus: a pipe round trip between two processes on different cores and
-  on one (being woken by another process), and a SQLite COMMIT by the pages it
-  appends to the log, 1 to 12 (scripts/machine.py).
 
 - many calls from one process: 200 tasks whose call takes 2 s, drained by one
   worker with --concurrency 1, 16 and 64, and by 16 single-slot workers: wall
@@ -106,14 +87,11 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.synchronize import Event
-from pathlib import Path
 
 import compare
 import concurrency_bench
 import counting
-import floor
 import latency
-import machine
 import measure
 import pooler_bench
 import psycopg
@@ -137,10 +115,6 @@ from agentbus.sweeper import jobs
 PG_URL = os.environ.get(
     "AGENTBUS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
-#: Units of other work after each turn in the bare write set's second run over 2
-#: processes (``floor._work``): a few hundred µs, of the order of a worker's own work
-#: between its turns.
-BETWEEN = 100
 
 
 @contextmanager
@@ -251,8 +225,6 @@ def bench_enqueue(queue: TaskQueue, single: int, batched: int) -> list[tuple[str
     turned = turns.figures(*clock.totals())
     rows = [("enqueue, single", measure.joined(f"{single / secs:,.0f} tasks/s", turned))]
     if queue.db.dialect == "sqlite":
-        rate = floor.enqueue(queue, spec(0), single)
-        rows.append(("enqueue, single, its statements alone (sqlite3)", f"{rate:,.0f} tasks/s"))
         made = [spec(i) for i in range(single)]  # each validated here, off the clock
         secs = timed(lambda: [queue.enqueue(s) for s in made])
         label = "enqueue, single, each task made and validated ahead"
@@ -368,29 +340,6 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
                     measure.joined(f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task", bounds),
                 )
             )
-            if batch == 1 and procs <= 2 and url.startswith("sqlite"):
-                at = f"claim+complete, {procs} proc, batch 1,"
-                alone = f"{at} its statements alone"
-                runs = [(f"{alone} (sqlite3)", 0, True)]
-                if procs > 1:
-                    work = "and other work between turns (sqlite3)"
-                    runs.append((f"{alone} {work}", BETWEEN, True))
-                    # the state machine's own writes: no events, routing row or usage
-                    runs.append((f"{at} its two updates alone {work}", BETWEEN, False))
-                for label, between, records in runs:
-                    rate, cpu, held = floor.steady(url, procs, args.tasks, between, records=records)
-                    figure = measure.joined(f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task", held)
-                    rows.append((label, figure))
-                if procs > 1:  # what one process committing for both would buy
-                    for what, both in (("as they come", False), ("both at once", True)):
-                        rate, cpu, held = floor.one_committer(
-                            url, procs, args.tasks, BETWEEN, both=both
-                        )
-                        figure = measure.joined(
-                            f"{rate:,.0f} tasks/s, {cpu:.2f} ms CPU per task", held
-                        )
-                        label = f"{alone} and other work between turns, one committer"
-                        rows.append((f"{label}, {what} (sqlite3)", figure))
     ahead = 2 * args.tasks
     rate, cpu, _ = throughput(url, args.sqlite_synchronous, 1, 1, args.tasks, ahead)
     rows.append(
@@ -456,8 +405,6 @@ def main() -> None:
     rows: list[tuple[str, str, str]] = []
     with measure.Stolen() as stolen:
         backends = args.backends.split(",")
-        where = Path(tempfile.gettempdir()) if "sqlite" in backends else None  # as database()
-        rows += [("machine", *row) for row in machine.rows(where, args.sqlite_synchronous)]
         for backend in backends:
             with database(backend, args.sqlite_synchronous) as url:
                 if backend == "pgbouncer":  # beside the same database reached directly
