@@ -1,7 +1,7 @@
 """SQLite: the writers' turns a process holds, timed where they are taken.
 
 SQLite commits one writer at a time, and agentbus's writers take turns
-(``agentbus.sqlite_engine.WriterTurns``: from before BEGIN IMMEDIATE to after
+(``agentbus.db.sqlite.WriterTurns``: from before BEGIN IMMEDIATE to after
 COMMIT), so the turns of every process add up to at most the time elapsed. With
 one turn per claim, ``batch`` / (the mean turn) is the most tasks per second
 that any worker writing the same rows, however little it did around its turns,
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentbus import sqlite_engine
+from agentbus.db import sqlite as sqlite_engine
 
 #: What ``TurnClock.totals`` gives, by name (the records the script writes).
 TOTALS = ("turns", "held", "committing")

@@ -90,7 +90,7 @@ def run(command: click.Command, prog: str, args: list[str] | None = None) -> Non
             sys.exit(EXIT_USAGE)
         if not _database_gone(exc):
             raise
-        from agentbus.dberrors import first_line
+        from agentbus.db.errors import first_line
 
         # Still failing after the retries of agentbus.db: the database is gone.
         click.echo(f"{prog}: error: database unavailable: {first_line(exc.orig)}", err=True)
@@ -104,9 +104,9 @@ def run(command: click.Command, prog: str, args: list[str] | None = None) -> Non
 
 def _pooler_hint(exc: Exception) -> str | None:
     """What to set, when ``exc`` says a pooler stands in front of the database unsaid."""
-    if "agentbus.dberrors" not in sys.modules:
+    if "agentbus.db.errors" not in sys.modules:
         return None
-    from agentbus.dberrors import pooler_hint
+    from agentbus.db.errors import pooler_hint
 
     return pooler_hint(exc)
 

@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from agentbus.dberrors import EPISODE, is_transient
 from agentbus.logging import get_logger
 
 if TYPE_CHECKING:
@@ -85,6 +84,9 @@ class DatabaseClock:
             with self.db.engine.connect() as conn:
                 db_now = float(conn.exec_driver_sql(_DB_NOW).scalar_one())
         except Exception as exc:
+            # Here, not at the top: agentbus.db imports this module.
+            from agentbus.db.errors import EPISODE, is_transient
+
             if is_transient(exc):  # the database is away: said once for the process
                 EPISODE.failed(0, exc)
             else:

@@ -24,7 +24,7 @@ from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
 from agentbus.clock import CLOCK_WARN_SEC, offset_of
-from agentbus.dberrors import first_line, is_transient
+from agentbus.db.errors import first_line, is_transient
 from agentbus.logging import get_logger
 from agentbus.observations import Observations
 from agentbus.sweeper import jobs

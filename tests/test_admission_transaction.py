@@ -16,7 +16,7 @@ from agentbus.admission.limits import Limits
 from agentbus.admission.routing import Candidate
 from agentbus.admission.slots import LOCK_CLASS, lock_gates
 from agentbus.db import Database
-from agentbus.prepared import at_once, can_run_at_once, prepared
+from agentbus.db.compiled import at_once, can_run_at_once, prepared
 from agentbus.schema import bus_counters, call_slots
 from tests.conftest import Backends
 from tests.support import FakeClock

@@ -14,10 +14,10 @@ import sqlalchemy as sa
 from structlog.testing import capture_logs
 
 from agentbus.db import Database, parse_url, redact
-from agentbus.dberrors import Episode, is_transient
+from agentbus.db.compiled import Prepared
+from agentbus.db.errors import Episode, is_transient
 from agentbus.errors import BusError
 from agentbus.migrations import migrate
-from agentbus.prepared import Prepared
 from agentbus.queue import TaskQueue
 from agentbus.queue.decisions import Complete, Settlement
 from agentbus.queue.tasks import TaskSpec

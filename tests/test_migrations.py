@@ -14,9 +14,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
 from agentbus.db import Database
+from agentbus.db.compiled import prepared
 from agentbus.errors import NotMigrated
 from agentbus.migrations import HEAD, downgrade, head_revision, migrate
-from agentbus.prepared import prepared
 from agentbus.queue import TaskQueue
 from agentbus.queue.statements import ENQUEUE_ONE, INSERT_EVENT, SETTLE, claim_statement
 from agentbus.queue.states import TaskStatus

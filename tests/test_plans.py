@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 
 from agentbus.admission.routing import Route
-from agentbus.prepared import prepared
+from agentbus.db.compiled import prepared
 from agentbus.providers.outcomes import Usage
 from agentbus.queue import Settlement, TaskQueue
 from agentbus.queue.decisions import Complete
+from agentbus.queue.settle_and_claim import ack_and_claim_postgres
 from agentbus.queue.statements import (
     COMPLETE_MANY_POSTGRES,
     HEARTBEAT,
@@ -22,7 +23,6 @@ from agentbus.queue.statements import (
     SETTLE,
     claim_statement,
 )
-from agentbus.queue.steady import ack_and_claim_postgres
 from agentbus.queue.tasks import TaskSpec
 
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agentbus import sqlite_engine
 from agentbus.db import Database
+from agentbus.db import sqlite as sqlite_engine
 from agentbus.queue import TaskQueue
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec

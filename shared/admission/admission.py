@@ -51,8 +51,8 @@ from agentbus.admission.routing import Candidate, KeptResolutions, Resolution, f
 from agentbus.catalog import Catalog
 from agentbus.config import Config, Configured, LiveConfig, Settings
 from agentbus.db import Database
+from agentbus.db.compiled import at_once, can_run_at_once, prepared
 from agentbus.logging import get_logger
-from agentbus.prepared import at_once, can_run_at_once, prepared
 from agentbus.providers.outcomes import AuthFailed, Outcome, RateLimited, Succeeded, TimedOut, Usage
 
 log = get_logger("agentbus.admission")

@@ -15,8 +15,8 @@ from agentbus.admission import journal
 from agentbus.admission.gates import Circuit, CircuitRules, after_call
 from agentbus.catalog import ProviderConfig
 from agentbus.config import Settings
+from agentbus.db.compiled import prepared
 from agentbus.logging import get_logger
-from agentbus.prepared import prepared
 from agentbus.schema import circuit_calls as calls
 from agentbus.schema import circuits
 

@@ -18,7 +18,7 @@ from agentbus.admission.gates import Code, Refusal, day_of, next_day, window_fre
 from agentbus.admission.routing import Candidate
 from agentbus.catalog import Catalog
 from agentbus.config import Settings
-from agentbus.prepared import prepared
+from agentbus.db.compiled import prepared
 from agentbus.schema import call_slots
 
 

@@ -3,7 +3,7 @@
 A limited call holds a row of ``call_slots`` from its admission to its release
 (``agentbus.admission.admission`` is the only code that runs these). Each
 statement is built once, its values bind parameters, and runs compiled
-(``agentbus.prepared.prepared``).
+(``agentbus.db.compiled.prepared``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from agentbus.admission.limits import (
     next_in_window,
 )
 from agentbus.admission.routing import Candidate
-from agentbus.prepared import Prepared, prepared
+from agentbus.db.compiled import Prepared, prepared
 from agentbus.schema import call_slots, circuit_calls
 
 #: PostgreSQL: an admission holds a transaction lock on each gate it counts (the

@@ -13,9 +13,9 @@ from sqlalchemy.engine import Connection
 from agentbus.db import Database, dialect_insert
 from agentbus.errors import TransitionRejected
 from agentbus.queue import events, wakeups
+from agentbus.queue.settle_and_claim import SteadyState
 from agentbus.queue.statements import MOVE_MANY
 from agentbus.queue.states import TRANSITIONS, TaskStatus
-from agentbus.queue.steady import SteadyState
 from agentbus.queue.tasks import PayloadLimits
 from agentbus.schema import KEYED, idempotency_keys
 from agentbus.schema import bus_commands as t

@@ -38,7 +38,7 @@ P_AGENT = _p("p_agent")
 P_WORKER = _p("p_worker")
 
 #: Constants as SQL values (a plain Python value in ``.values()`` would be bound at
-#: every run; these are written into the compiled statement: ``agentbus.prepared``).
+#: every run; these are written into the compiled statement: ``agentbus.db.compiled``).
 _NULL = sa.null()
 
 

@@ -188,7 +188,7 @@ class TaskQueue(SweepOps, SteeringOps):
     ) -> tuple[list[TransitionRejected], list[Task]]:
         """Settle ``items`` (as ``settle_many``) and claim up to ``limit`` next tasks (as
         ``claim``): a worker's steady state. Completions and the claim are one
-        transaction (``agentbus.queue.steady``: one statement on PostgreSQL), so a
+        transaction (``agentbus.queue.settle_and_claim``: one statement on PostgreSQL), so a
         worker pays one commit per claim. ``limit`` 0 only settles."""
         acks = [i for i in items if isinstance(i.decision, Complete)]
         others = [i for i in items if not isinstance(i.decision, Complete)]

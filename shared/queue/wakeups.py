@@ -35,7 +35,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from agentbus.dberrors import first_line
+from agentbus.db.errors import first_line
 from agentbus.logging import get_logger
 from agentbus.schema import settle_listeners
 

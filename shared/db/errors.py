@@ -32,7 +32,7 @@ def is_transient(exc: BaseException) -> bool:
     orig = exc.orig
     sqlite3 = sys.modules.get("sqlite3")  # imported by the engine when the URL is SQLite
     if sqlite3 is not None and isinstance(orig, sqlite3.OperationalError):
-        from agentbus.sqlite_engine import RETRIED_CODES
+        from agentbus.db.sqlite import RETRIED_CODES
 
         code = getattr(orig, "sqlite_errorcode", None)
         if code is not None:

@@ -10,7 +10,7 @@ data-modifying CTEs: the same steps run as separate statements on the driver's
 cursor inside one ``BEGIN IMMEDIATE`` transaction.
 
 Either way the statements are the ones ``agentbus.queue.statements`` builds,
-compiled once (``agentbus.prepared.Prepared``).
+compiled once (``agentbus.db.compiled.Prepared``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from sqlalchemy.engine import Connection
 from agentbus.admission import usage
 from agentbus.admission.gates import day_of
 from agentbus.db import Database
-from agentbus.prepared import Prepared, prepared
+from agentbus.db.compiled import Prepared, prepared
 from agentbus.queue import events, wakeups
 from agentbus.queue.decisions import Complete, Settlement
 from agentbus.queue.statements import (

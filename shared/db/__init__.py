@@ -2,7 +2,7 @@
 
 SQLite runs in WAL mode with a busy timeout, and every write transaction
 starts with ``BEGIN IMMEDIATE`` so that two writers queue on the lock instead
-of failing on a lock upgrade (``agentbus.sqlite_engine``). Postgres
+of failing on a lock upgrade (``agentbus.db.sqlite``). Postgres
 connections are checked before use. A unit of work is a function of a
 connection; :meth:`Database.write` and :meth:`Database.read` run it in one
 transaction and run it again, from the start, when the database reports a
@@ -25,7 +25,8 @@ from sqlalchemy.engine import URL, Connection, Engine
 
 from agentbus.clock import clock_for
 from agentbus.config import POOLERS
-from agentbus.dberrors import (
+from agentbus.db.compiled import Prepared, prepared
+from agentbus.db.errors import (
     EPISODE,
     first_line,
     is_full,
@@ -34,10 +35,9 @@ from agentbus.dberrors import (
     log_retry,
     pooler_hint,
 )
+from agentbus.db.pinned import Pinned
 from agentbus.errors import BusError, ConfigError, DatabaseUnavailable, NotMigrated
 from agentbus.logging import get_logger
-from agentbus.pinned import Pinned
-from agentbus.prepared import Prepared, prepared
 
 if TYPE_CHECKING:
     import tenacity
@@ -161,7 +161,7 @@ class Database:
         self._writers: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if self.dialect == "sqlite":
             # Imported here only: a PostgreSQL process never loads sqlite3 (~1 MB resident).
-            from agentbus import sqlite_engine
+            from agentbus.db import sqlite as sqlite_engine
 
             self._relaxed = sqlite_engine.relaxed(sqlite_synchronous)
             self.engine = sqlite_engine.engine(
@@ -277,7 +277,7 @@ class Database:
         self, conn: Connection, work: Callable[[Connection], T], durable: bool = True
     ) -> T:
         """``work`` in one write transaction on ``conn``, in the writers' turn. SQLite's
-        begins and ends on the driver (``sqlite_engine.in_driver_transaction``: a short
+        begins and ends on the driver (``db.sqlite.in_driver_transaction``: a short
         transaction costs less without SQLAlchemy's transaction object and events)."""
         with self._writers:
             if self.dialect == "sqlite":
