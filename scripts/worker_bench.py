@@ -123,11 +123,11 @@ def bench_memory(url: str, synchronous: str) -> list[tuple[str, str]]:
         if db.dialect == "sqlite"
         else ["psycopg", "sqlalchemy.dialects.postgresql.psycopg"]
     )
-    # SQLAlchemy and psycopg imported as our processes import them (agentbus.lean:
+    # SQLAlchemy and psycopg imported as our processes import them (agentbus.lean_imports:
     # without ssl).
-    lean = "from agentbus.lean import import_sqlalchemy; import_sqlalchemy()"
+    lean = "from agentbus.lean_imports import import_sqlalchemy; import_sqlalchemy()"
     if db.dialect == "postgresql":
-        lean += "; from agentbus.lean import import_psycopg; import_psycopg()"
+        lean += "; from agentbus.lean_imports import import_psycopg; import_psycopg()"
     floor = measure.import_floor_kib(["sqlalchemy", *driver], first=lean)
     return [
         ("worker RSS, idle", f"{idle / 1024:,.1f} MiB ({idle * 1024 / 1e6:,.1f} MB)"),

@@ -42,9 +42,9 @@ def start_up() -> Callable[[], None]:
     is back on (``run`` turns it back on in any case). Measured on a worker: its start
     2,034M -> 1,862M instructions (callgrind), ~0.34 -> ~0.27 s of CPU. SQLAlchemy is
     imported first, without the modules it would load for nothing
-    (``lean.import_sqlalchemy``: a SQLite worker never loads OpenSSL)."""
+    (``lean_imports.import_sqlalchemy``: a SQLite worker never loads OpenSSL)."""
     gc.disable()
-    from agentbus.lean import import_sqlalchemy
+    from agentbus.lean_imports import import_sqlalchemy
 
     import_sqlalchemy()
 
@@ -57,9 +57,9 @@ def start_up() -> Callable[[], None]:
 
 def import_driver(database_url: str) -> None:
     """A long-running process's database driver, imported before its engine loads it:
-    psycopg without the modules it would load for nothing (``lean.import_psycopg``)."""
+    psycopg without the modules it would load for nothing (``lean_imports.import_psycopg``)."""
     from agentbus.db import parse_url
-    from agentbus.lean import import_psycopg
+    from agentbus.lean_imports import import_psycopg
 
     if parse_url(database_url).get_backend_name() == "postgresql":
         import_psycopg()

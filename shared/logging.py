@@ -20,7 +20,7 @@ def configure(*, json: bool = False, level: str = "INFO") -> None:
     sweeper): the process is ours, so structlog is imported lean."""
     import logging
 
-    from agentbus.lean import import_structlog
+    from agentbus.lean_imports import import_structlog
 
     import_structlog()  # the process is ours: without pretty-printers it never uses
     import structlog

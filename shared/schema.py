@@ -416,7 +416,7 @@ bus_counters = sa.Table(
 )
 
 #: Histograms and counters that processes observe in memory and add here every few
-#: seconds (``agentbus.observations``): a call's latency, a task's run, a sweeper
+#: seconds (``agentbus.process_metrics``): a call's latency, a task's run, a sweeper
 #: pass. ``labels`` is the label set as ``k=v,k=v``; ``le`` a bucket's upper bound,
 #: or ``sum`` / ``count``. Rows are only ever added to.
 bus_observations = sa.Table(

@@ -26,7 +26,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from agentbus.clock import CLOCK_WARN_SEC, offset_of
 from agentbus.db.errors import first_line, is_transient
 from agentbus.logging import get_logger
-from agentbus.observations import Observations
+from agentbus.process_metrics import Observations
 from agentbus.sweeper import jobs
 
 log = get_logger("agentbus.sweeper")

@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from agentbus.db import Database
-from agentbus.lean import hidden, unused_by_sqlalchemy
+from agentbus.lean_imports import hidden, unused_by_sqlalchemy
 from agentbus.queue import TaskQueue
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
@@ -98,7 +98,7 @@ def test_hashlib_keeps_openssl_where_python_has_no_hashes_of_its_own() -> None:
 
 PSYCOPG = """
 import sys
-from agentbus.lean import import_psycopg
+from agentbus.lean_imports import import_psycopg
 import_psycopg()
 import psycopg
 print(psycopg.pq.__impl__, "ssl" in sys.modules)

@@ -424,7 +424,7 @@ def test_call_task_and_sweep_times_are_histograms_that_survive_the_processes(
 def test_observations_count_each_label_set_once_whatever_the_order_or_how_many() -> None:
     """Labels given in another order are the same series; label sets beyond those a process
     remembers the text of are still each counted, under their own labels."""
-    from agentbus.observations import _TEXTS_KEPT, Observations, labels_of
+    from agentbus.process_metrics import _TEXTS_KEPT, Observations, labels_of
 
     seen = Observations()
     seen.observe("agentbus_call_seconds", {"agent": "a", "model": "m", "outcome": "ok"}, 0.2)

@@ -34,7 +34,7 @@ from agentbus.config import LiveConfig
 from agentbus.db import Database
 from agentbus.errors import TransitionRejected
 from agentbus.logging import get_logger
-from agentbus.observations import Observations
+from agentbus.process_metrics import Observations
 from agentbus.providers import Providers
 from agentbus.queue import TaskQueue
 from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement

@@ -25,7 +25,7 @@ from agentbus.admission.routing import Candidate, Route
 from agentbus.config import Settings
 from agentbus.errors import ConfigError, InvalidTask, Refused
 from agentbus.logging import get_logger, when
-from agentbus.observations import Observations
+from agentbus.process_metrics import Observations
 from agentbus.providers import CallRequest, Provider, Providers, chat, outcomes
 from agentbus.providers.base import HandlerCrashed
 from agentbus.providers.outcomes import Outcome

@@ -169,16 +169,17 @@ for _command in (cancel_cmd, resume_cmd, cooldowns_group, serve_cmd):
 @pass_ctx
 def events_cmd(c: Context, kinds: tuple[str, ...], limit: int, follow: bool) -> None:
     """Workspace events: budget warnings, refused batches, circuits, cooldowns, pauses."""
-    from agentbus.admission import journal
+    from agentbus.admission import workspace_events
 
     db = c.database()
     since: float | None = None
     stop = threading.Event()
     cli.on_stop_signals(lambda *_: stop.set())
     while True:
-        for e in journal.recent(db, kinds=kinds, since=since, limit=limit):
+        for e in workspace_events.recent(db, kinds=kinds, since=since, limit=limit):
+            times = workspace_events.TIMES
             detail = " ".join(
-                f"{k}={cli.fmt_time(v) if k in journal.TIMES and isinstance(v, float) else v}"
+                f"{k}={cli.fmt_time(v) if k in times and isinstance(v, float) else v}"
                 for k, v in (e["detail"] or {}).items()
             )
             at = cli.fmt_time(e["at"], ago=False)

@@ -14,7 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from agentbus import observations
+from agentbus import process_metrics
 from agentbus.queue.statements import in_state
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_commands as t
@@ -76,7 +76,7 @@ def observe(conn: Connection, now: float, stale_sec: float) -> dict[str, Any]:
             for f in failed
         ],
         "last_hour": last_hour(conn, now),
-        "observations": observations.read(conn),
+        "observations": process_metrics.read(conn),
     }
 
 

@@ -33,7 +33,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from agentbus import observations
+from agentbus import process_metrics
 from agentbus.logging import get_logger
 
 log = get_logger("agentbus.serve")
@@ -195,9 +195,9 @@ def _observed(seen: dict[str, dict[str, dict[str, float]]]) -> Iterator[Metric]:
     for name, (what, names) in HISTOGRAMS.items():
         family = HistogramMetricFamily(name, what, labels=names.split())
         for labels, row in sorted(seen.get(name, {}).items()):
-            given = observations.labels_of(labels)
+            given = process_metrics.labels_of(labels)
             cumulative, buckets = 0.0, []
-            for le in observations.LE:
+            for le in process_metrics.LE:
                 cumulative += row.get(le, 0.0)
                 buckets.append((le, cumulative))
             values = [given.get(n, "") for n in names.split()]
@@ -206,7 +206,7 @@ def _observed(seen: dict[str, dict[str, dict[str, float]]]) -> Iterator[Metric]:
     for name, (what, names) in COUNTED.items():
         counter = CounterMetricFamily(name, what, labels=names.split())
         for labels, row in sorted(seen.get(name, {}).items()):
-            given = observations.labels_of(labels)
+            given = process_metrics.labels_of(labels)
             counter.add_metric([given.get(n, "") for n in names.split()], row.get("count", 0.0))
         yield counter
 

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.admin import kpi, observe
-from agentbus.admission import journal
+from agentbus.admission import workspace_events
 from agentbus.admission.budget import client_budget
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.config import Settings
@@ -70,7 +70,7 @@ def snapshot(
         ],
         "usage_today": reads.usage_by_day(db, now),
         "kpis": [k.as_dict() for k in kpi.compute(db)] if kpis else [],
-        "events": journal.recent(db, limit=20),
+        "events": workspace_events.recent(db, limit=20),
     }
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from agentbus.admission import journal
+from agentbus.admission import workspace_events
 from agentbus.admission.budget_setting import BudgetSetting, read_setting
 from agentbus.config import Settings, check_budget_mode
 from agentbus.db import Database, dialect_insert
@@ -78,7 +78,7 @@ class _Budget:
     """What both budgets share: their settings, and the bulk passes of each of this
     process's threads (nesting depth and the refusals they gathered)."""
 
-    scope = journal.WORKSPACE
+    scope = workspace_events.WORKSPACE
 
     def __init__(
         self,
@@ -154,7 +154,7 @@ class WorkspaceBudget(_Budget):
     """The workspace's budget: its mode and size are workspace settings, read again
     every ``refresh_sec`` (a change is logged as ``client_budget_changed``)."""
 
-    scope = journal.WORKSPACE
+    scope = workspace_events.WORKSPACE
 
     def __init__(
         self,
@@ -277,7 +277,7 @@ class WorkspaceBudget(_Budget):
             ).rowcount
             if fired:
                 detail = {"reserved": count, "budget": self.budget, "names": sorted(names)}
-                journal.emit(
+                workspace_events.emit(
                     conn, "budget_warning", now, scope=self.scope, source=self.holder, detail=detail
                 )
         elif share < REARM_FRACTION:
@@ -313,7 +313,7 @@ class WorkspaceBudget(_Budget):
             now = self.clock()
             self._set_last_refused(conn, names, now)
             detail = {"names": names, "count": len(names), "budget": self.budget}
-            journal.emit(
+            workspace_events.emit(
                 conn, "refused_batch", now, scope=self.scope, source=self.holder, detail=detail
             )
 
@@ -368,7 +368,7 @@ def _init_state(dialect: str) -> sa.Insert:
 class SessionBudget(_Budget):
     """The per-process budget (``no_workspace_budget``): each process counts its own slots."""
 
-    scope = journal.SESSION
+    scope = workspace_events.SESSION
 
     def __init__(
         self,
@@ -434,7 +434,7 @@ class SessionBudget(_Budget):
     def _emit(self, kind: str, detail: dict[str, Any]) -> None:
         now = self.clock()
         self.db.write(
-            lambda conn: journal.emit(
+            lambda conn: workspace_events.emit(
                 conn, kind, now, scope=self.scope, source=self.holder, detail=detail
             )
         )

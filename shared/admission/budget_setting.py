@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from sqlalchemy.engine import Connection
 
 from agentbus import workspace
-from agentbus.admission import journal
+from agentbus.admission import workspace_events
 from agentbus.config import Settings, check_budget_mode
 from agentbus.db import Database
 from agentbus.errors import ConfigError
@@ -75,7 +75,9 @@ def write_setting(
         check_budget_mode(after.mode, after.size)
         workspace.write(conn, {MODE: after.mode, SIZE: after.size}, now, by)
         detail = {"mode": after.mode, "size": after.size, "was": [before.mode, before.size]}
-        journal.emit(conn, "budget_set", now, scope=journal.WORKSPACE, source=by, detail=detail)
+        workspace_events.emit(
+            conn, "budget_set", now, scope=workspace_events.WORKSPACE, source=by, detail=detail
+        )
         return before, after
 
     return db.write(work)

@@ -11,7 +11,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from agentbus.admission import journal
+from agentbus.admission import workspace_events
 from agentbus.admission.gates import Circuit, CircuitRules, after_call
 from agentbus.catalog import ProviderConfig
 from agentbus.config import Settings
@@ -83,7 +83,7 @@ class CircuitStore:
         ).rowcount
         if won:
             log.info("circuit_probe", provider=provider.name, worker=self.worker)
-            journal.emit(
+            workspace_events.emit(
                 conn,
                 "circuit_half_open",
                 now,
@@ -169,7 +169,9 @@ class CircuitStore:
                 "window": f"{failures}/{n} failed",
                 "open_until": after.open_until,
             }
-            journal.emit(conn, f"circuit_{after.state}", now, source=self.worker, detail=detail)
+            workspace_events.emit(
+                conn, f"circuit_{after.state}", now, source=self.worker, detail=detail
+            )
         self._cache[name] = (endpoint, after)
 
     def purge(self, conn: Connection, now: float) -> None:

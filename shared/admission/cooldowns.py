@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from agentbus.admission import journal
+from agentbus.admission import workspace_events
 from agentbus.db import Database, dialect_insert
 from agentbus.logging import get_logger
 from agentbus.schema import cooldown_history
@@ -142,7 +142,7 @@ class CooldownStore:
             }
             effective = float(conn.execute(self._upsert, row).scalar_one())
             detail = {"model": model, "until": effective, "reason": reason}
-            journal.emit(conn, "cooldown_set", now, source=source, detail=detail)
+            workspace_events.emit(conn, "cooldown_set", now, source=source, detail=detail)
             conn.execute(
                 sa.insert(cooldown_history),
                 {
@@ -185,7 +185,7 @@ class CooldownStore:
                     .values(cooldown_until=now)
                 )
                 detail = {"model": key, "was_until": until}
-                journal.emit(conn, "cooldown_cleared", now, source=by, detail=detail)
+                workspace_events.emit(conn, "cooldown_cleared", now, source=by, detail=detail)
             return sorted(key for key, _ in rows)
 
         cleared = self.db.write(work)
@@ -203,7 +203,7 @@ class CooldownStore:
             ).scalars()
             models = sorted(gone)
             for model in models:
-                journal.emit(conn, "cooldown_expired", now, detail={"model": model})
+                workspace_events.emit(conn, "cooldown_expired", now, detail={"model": model})
             return len(models)
 
         return self.db.write(work)

@@ -30,6 +30,7 @@ from agentbus.admission.routing import Route
 from agentbus.errors import TaskNotFound, TransitionRejected
 from agentbus.queue import events, reads, wakeups
 from agentbus.queue.base import Clock, text_safe
+from agentbus.queue.by_hand import SteeringOps
 from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
 from agentbus.queue.statements import (
     ENQUEUE_ARRAYS,
@@ -46,7 +47,6 @@ from agentbus.queue.statements import (
     settle_params,
 )
 from agentbus.queue.states import TRANSITIONS, TaskStatus
-from agentbus.queue.steering import SteeringOps
 from agentbus.queue.sweeps import SweepOps
 from agentbus.queue.tasks import Task, TaskSpec, check_payload
 from agentbus.schema import bus_commands as t
