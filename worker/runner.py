@@ -30,17 +30,19 @@ from agentbus.providers import CallRequest, Provider, Providers, chat, outcomes
 from agentbus.providers.base import HandlerCrashed
 from agentbus.providers.outcomes import Outcome
 from agentbus.queue.decisions import Crash, Decision, Fail, Settlement
+from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import Task
 from agentbus.worker import policy
 
 log = get_logger("agentbus.worker")
 
-#: A run's outcome, as the task-run histogram labels it.
+#: A run's outcome, as the task-run histogram labels it: the status it leads to, or
+#: "retry" for a task queued again after a spent attempt.
 OUTCOMES = {
-    policy.Complete: "done",
-    policy.Pause: "paused",
+    policy.Complete: TaskStatus.DONE.value,
+    policy.Pause: TaskStatus.PAUSED.value,
     policy.Requeue: "retry",
-    Fail: "failed",
+    Fail: TaskStatus.FAILED.value,
 }
 
 
@@ -96,7 +98,7 @@ class Runner:
         """``gone()`` says the claim was lost (the task was cancelled or rescued): no
         further candidate is tried, and the worker discards the run. Its time is
         observed by outcome (an exception: ``error``)."""
-        began, outcome = time.monotonic(), "error"
+        began, outcome = time.monotonic(), TaskStatus.ERROR.value
         try:
             run = self._run(task, gone)
             outcome = OUTCOMES.get(type(run.decision), "other")

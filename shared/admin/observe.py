@@ -84,7 +84,7 @@ def last_hour(conn: Connection, now: float) -> dict[str, list[int]]:
     """Tasks done, paused and failed (or errored) in each of the last 60 minutes
     (oldest first), from the event log's time index."""
     s = TaskStatus
-    ends = {"done": [s.DONE], "paused": [s.PAUSED], "failed": [s.FAILED, s.ERROR]}
+    ends = {s.DONE.value: [s.DONE], s.PAUSED.value: [s.PAUSED], s.FAILED.value: [s.FAILED, s.ERROR]}
     out = {name: [0] * 60 for name in ends}
     start = now - HOUR
     minute = sa.cast((task_events.c.at - start) / 60, sa.Integer)
