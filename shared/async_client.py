@@ -97,7 +97,7 @@ class AsyncAgentBus:
             while True:
                 heard.clear()
                 pending = [i for i in task_ids if i not in done]
-                done.update(await asyncio.to_thread(bus.settled_among, pending))
+                done.update(await asyncio.to_thread(bus.ended_among, pending))
                 if len(done) == len(set(task_ids)):
                     return [done[i] for i in task_ids]
                 left = time_left(task_ids, done, deadline)

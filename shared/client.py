@@ -103,8 +103,8 @@ class AgentBus:
             raise
         self.db.engine.dispose()  # the check's connection closes: opened again when used
         self.queue = TaskQueue(self.db, **self.settings.queue_options())
-        self._settled = threading.Condition()
-        self._generation = 0  # notifications of settled tasks heard so far
+        self._ended = threading.Condition()
+        self._generation = 0  # notifications of ended tasks heard so far
         self._listener: wakeups.Listener | None = None
         self._subscribers: list[Any] = []  # the async waiters' wake-ups
 
@@ -244,25 +244,25 @@ class AgentBus:
     def wait_many(
         self, task_ids: Sequence[int], *, timeout: float | None = None
     ) -> builtins.list[Task]:
-        """Block until every task has settled; returns them in the order asked."""
+        """Block until every task has ended; returns them in the order asked."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._listen()
         done: dict[int, Task] = {}
         look = FIRST_LOOK_SEC
         while True:
             generation = self._generation
-            done.update(self.settled_among([i for i in task_ids if i not in done]))
+            done.update(self.ended_among([i for i in task_ids if i not in done]))
             if len(done) == len(set(task_ids)):
                 return [done[i] for i in task_ids]
             left = time_left(task_ids, done, deadline)
             pause = look if left is None else min(look, left)
-            with self._settled:
+            with self._ended:
                 if self._generation == generation:  # nothing heard since the look
-                    self._settled.wait(pause)
+                    self._ended.wait(pause)
             look = min(look * 2, self._look_max())
 
-    def settled_among(self, task_ids: Sequence[int]) -> dict[int, Task]:
-        """Those of ``task_ids`` that have settled (one read; unknown ids raise)."""
+    def ended_among(self, task_ids: Sequence[int]) -> dict[int, Task]:
+        """Those of ``task_ids`` that have ended (one read; unknown ids raise)."""
         if not task_ids:
             return {}
         ends = [s.value for s in TERMINAL]
@@ -279,21 +279,21 @@ class AgentBus:
         return LISTENING_LOOK_MAX_SEC if heard else SQLITE_LOOK_MAX_SEC
 
     def _listen(self) -> None:
-        """PostgreSQL: hear settled tasks from the first wait on (one connection)."""
+        """PostgreSQL: hear ended tasks from the first wait on (one connection)."""
         if self._listener is not None or self.db.listen_conninfo is None:
             return
         self._listener = wakeups.Listener(
             self.db.listen_conninfo,
             self._heard,
-            channel=wakeups.SETTLED,
+            channel=wakeups.ENDED,
             register=True,
             application_name=self.db.application_name,
         ).start()
 
     def _heard(self) -> None:
-        with self._settled:
+        with self._ended:
             self._generation += 1
-            self._settled.notify_all()
+            self._ended.notify_all()
         for wake in list(self._subscribers):
             wake()
 

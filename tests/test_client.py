@@ -143,14 +143,14 @@ def test_wait_many_returns_when_the_tasks_settle(db_url: str) -> None:
             [{"agent": "codex", "text": str(i), "models": ["sim/a"]} for i in range(3)]
         )
         looked = threading.Event()
-        real = bus.settled_among
+        real = bus.ended_among
 
         def spy(task_ids: list[int]) -> dict[int, object]:
             found = real(task_ids)
             looked.set()
             return found  # type: ignore[return-value]
 
-        bus.settled_among = spy  # type: ignore[method-assign]
+        bus.ended_among = spy  # type: ignore[method-assign]
 
         def work() -> None:
             looked.wait(30)

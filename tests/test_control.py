@@ -52,7 +52,7 @@ def test_cancel_takes_queued_paused_and_claimed_tasks_and_names_who(
         last = reads.task_events(queue.db, task_id)[-1]
         assert (last["to_status"], last["reason"], last["worker"]) == ("cancelled", "cancel", "ops")
     # The worker of the claimed task: its completion and its lease renewal land nowhere.
-    lost = queue.settle_many(
+    lost = queue.settle(
         [Settlement(claim.id, claim.claim_token, Complete("late", "sim/a"))], worker="w1"
     )
     assert [r.task_id for r in lost] == [running] and "cancelled" in lost[0].message

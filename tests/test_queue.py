@@ -338,7 +338,7 @@ def test_counts_and_listing(queue: TaskQueue) -> None:
     assert len(reads.list_tasks(queue.db, limit=2)) == 2
 
 
-def test_settle_many_reports_superseded_claims(queue: TaskQueue) -> None:
+def test_settle_reports_superseded_claims(queue: TaskQueue) -> None:
     queue.enqueue_many([spec(text=str(i)) for i in range(4)])
     tasks = queue.claim("codex", "w1", 30, limit=4)
     stale = tasks[0]
@@ -349,7 +349,7 @@ def test_settle_many_reports_superseded_claims(queue: TaskQueue) -> None:
         Settlement(t.id, t.claim_token, Complete(f"answer {t.id}", "sim/a"), detail={"n": t.id})
         for t in tasks
     ]
-    lost = queue.settle_many(items, worker="w1")
+    lost = queue.settle(items, worker="w1")
     assert [(r.task_id, r.actual) for r in lost] == [
         (stale.id, f"claimed under token {reclaimed.claim_token}")
     ]
@@ -368,7 +368,7 @@ def test_settle_many_reports_superseded_claims(queue: TaskQueue) -> None:
             {"model": "sim/a", "usage": usage, "n": task.id},
         )
     assert queue.get(stale.id).status is TaskStatus.CLAIMED
-    assert queue.settle_many([]) == []
+    assert queue.settle([]) == []
 
 
 def test_a_claim_settled_twice_is_rejected_the_second_time(queue: TaskQueue) -> None:
@@ -377,10 +377,10 @@ def test_a_claim_settled_twice_is_rejected_the_second_time(queue: TaskQueue) -> 
     first, second, third = queue.claim("codex", "w1", 30, limit=3)
     queue.complete(first.id, first.claim_token, "once")
     items = [Settlement(t.id, t.claim_token, Complete("again")) for t in (first, second, third)]
-    lost = queue.settle_many(items, worker="w1")
+    lost = queue.settle(items, worker="w1")
     assert [(r.task_id, r.actual) for r in lost] == [(first.id, "done")]
     assert [queue.get(t.id).result for t in (first, second, third)] == ["once", "again", "again"]
-    again = queue.settle_many(items[1:], worker="w1")
+    again = queue.settle(items[1:], worker="w1")
     assert [(r.task_id, r.actual) for r in again] == [(second.id, "done"), (third.id, "done")]
 
 

@@ -58,7 +58,7 @@ def seed(url: str) -> dict[str, Any]:
     )
     pause = Pause(now + 120, "sim/opus", "all candidate models are refused (circuit_open)")
     detail = {"refusals": {"sim/opus": refusal.as_dict(now)}}
-    assert queue.settle(Settlement(task.id, task.claim_token, pause, [route], detail)) is None
+    assert queue.settle([Settlement(task.id, task.claim_token, pause, [route], detail)]) == []
     CooldownStore(db).set("sim/opus", now + 300, reason="RateLimited", source="w")
     db.write(
         lambda conn: conn.execute(
@@ -90,12 +90,8 @@ def seed(url: str) -> dict[str, Any]:
         completion_tokens=12,
         cost=0.5,
     )
-    assert (
-        queue.settle(
-            Settlement(done, claim.claim_token, Complete("ok", "sim/opus", detail=ANSWER), [call])
-        )
-        is None
-    )
+    ack = Settlement(done, claim.claim_token, Complete("ok", "sim/opus", detail=ANSWER), [call])
+    assert queue.settle([ack]) == []
     failed = queue.enqueue(TaskSpec(agent="writer", command="f", models=("sim/opus",))).id
     (claim,) = queue.claim("writer", "w", 30)
     queue.fail(failed, claim.claim_token, "HTTP 400: the prompt is too long")

@@ -158,7 +158,7 @@ def test_a_settle_notifies_only_while_a_producer_listens(db: Database, db_url: s
 
     url = direct_conninfo(db_url)
     with psycopg.connect(url, autocommit=True) as spy:
-        spy.execute(f"LISTEN {wakeups.SETTLED}")
+        spy.execute(f"LISTEN {wakeups.ENDED}")
         spy.execute("LISTEN test_marker")
 
         def heard_settled() -> bool:
@@ -170,7 +170,7 @@ def test_a_settle_notifies_only_while_a_producer_listens(db: Database, db_url: s
             for note in spy.notifies(timeout=30):
                 if note.channel == "test_marker":
                     return heard
-                heard = heard or note.channel == wakeups.SETTLED
+                heard = heard or note.channel == wakeups.ENDED
             raise AssertionError("the marker never came")
 
         for settle in settles:
@@ -178,7 +178,7 @@ def test_a_settle_notifies_only_while_a_producer_listens(db: Database, db_url: s
             assert not heard_settled()  # nobody registered: no notification
         registered = threading.Event()
         listener = wakeups.Listener(
-            url, registered.set, channel=wakeups.SETTLED, register=True
+            url, registered.set, channel=wakeups.ENDED, register=True
         ).start()
         try:
             assert registered.wait(30)  # it wakes its owner once its row is written

@@ -283,10 +283,10 @@ class Worker:
                 traceback="".join(traceback.format_exception(exc)),
             )
             self._stopped_running(task)
-            self._settle_error(task, exc)
+            self._crash(task, exc)
             return
         self._stopped_running(task)
-        self._settle(task, result)
+        self._finish(task, result)
 
     def _stopped_running(self, task: Task) -> None:
         with self._lock:
@@ -316,7 +316,7 @@ class Worker:
         with self._lock:
             acks, self._acks = self._acks, []
         if acks:
-            self._lost(self.queue.settle_many(acks, worker=self.id))
+            self._lost(self.queue.settle(acks, worker=self.id))
             for ack in acks:
                 self._forget_id(ack.task_id)
         with self._lock:
@@ -346,10 +346,10 @@ class Worker:
 
     def _release(self, task: Task) -> None:
         self._forget(task)
-        if self._settle_now(task, Settlement(task.id, task.claim_token, Release("shutdown"))):
+        if self._settle(task, Settlement(task.id, task.claim_token, Release("shutdown"))):
             self.log.info("task_released", task_id=task.id, reason="shutdown")
 
-    def _settle(self, task: Task, run: Run) -> None:
+    def _finish(self, task: Task, run: Run) -> None:
         """Hand the queue the run's decision; a completion waits for the next claim."""
         with self._lock:
             lost = task.id in self._taken_over
@@ -366,7 +366,7 @@ class Worker:
                 self._acks.append(item)
             return
         self._forget(task)
-        if not self._settle_now(task, item):
+        if not self._settle(task, item):
             return
         match d:
             case Pause():
@@ -383,9 +383,9 @@ class Worker:
                 self.log.error("task_error", task_id=task.id, error=d.error)
                 self._record(failed=True, why=d.error)
 
-    def _settle_now(self, task: Task, item: Settlement) -> bool:
+    def _settle(self, task: Task, item: Settlement) -> bool:
         """Settle one claim; False (and a log line) when the claim was lost meanwhile."""
-        return not self._lost(self.queue.settle_many([item], worker=self.id))
+        return not self._lost(self.queue.settle([item], worker=self.id))
 
     def _lost(self, lost: list[TransitionRejected]) -> set[int]:
         """Log each lost claim (our lease ran out and the task went to someone else: our
@@ -429,10 +429,10 @@ class Worker:
         with self._lock:
             self._held.pop(task_id, None)
 
-    def _settle_error(self, task: Task, exc: object) -> None:
+    def _crash(self, task: Task, exc: object) -> None:
         self._forget(task)
         message = f"{type(exc).__name__}: {exc}"
-        if self._settle_now(task, Settlement(task.id, task.claim_token, Crash(message))):
+        if self._settle(task, Settlement(task.id, task.claim_token, Crash(message))):
             self.log.error("task_error", task_id=task.id, error=message)
             self._record(failed=True, why=message)
 

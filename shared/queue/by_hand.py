@@ -13,13 +13,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.queue import events
-from agentbus.queue.base import QueueBase
+from agentbus.queue.guarded import GuardedQueue
 from agentbus.queue.statements import CANCEL
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.schema import bus_commands as t
 
 
-class SteeringOps(QueueBase):
+class ByHandOps(GuardedQueue):
     def cancel(self, task_ids: Sequence[int], *, by: str) -> list[int]:
         """Queued, paused or claimed -> cancelled; returns the ids that moved.
 

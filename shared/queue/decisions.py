@@ -1,6 +1,6 @@
 """What becomes of a claimed task, as values: the worker decides, the queue settles.
 
-``TaskQueue.settle`` / ``settle_many`` take a ``Settlement`` (the claim, its
+``TaskQueue.settle`` takes ``Settlement``s (the claim, its
 decision, the routing decisions that led to it) and make the one guarded
 change the decision names, with its event, in one transaction.
 """

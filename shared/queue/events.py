@@ -39,7 +39,7 @@ def record(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
     if batch:
         conn.execute(sa.insert(task_events), batch)
         if any(r["to_status"] in _ENDS for r in batch):
-            wakeups.settled(conn)
+            wakeups.notify_ended(conn)
 
 
 def event(

@@ -127,7 +127,7 @@ def ack_and_claim_postgres(*, single: bool = False, limit: int | None = None) ->
     # Producers waiting for tasks hear that some are done (one notification per commit,
     # only while one listens).
     settled = (
-        wakeups.settled_notice(sa.exists(sa.select(acked.c.id))).scalar_subquery().label("settled")
+        wakeups.ended_notice(sa.exists(sa.select(acked.c.id))).scalar_subquery().label("settled")
     )
     return (
         sa.select(acked_ids, settled, *claimed.c)

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.queue import events, todos
-from agentbus.queue.base import QueueBase
+from agentbus.queue.guarded import GuardedQueue
 from agentbus.queue.statements import POSTPONE, SETTLE, in_state
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.schema import bus_commands as t
@@ -39,7 +39,7 @@ class Rescued:
     poisoned: list[int]
 
 
-class SweepOps(QueueBase):
+class SweepOps(GuardedQueue):
     # -- what is due (index range scans: cost follows the due rows, not the table) --
 
     def due_pauses(self, limit: int) -> list[DuePause]:

@@ -3,7 +3,7 @@
 Every operation is one guarded conditional UPDATE (``WHERE id = … AND status
 = … [AND claim_token = …]``, see ``agentbus.queue.statements``) plus its event row,
 in one transaction. A guarded write that matches no row is a
-``TransitionRejected`` (raised, or returned by ``settle``/``settle_many``): the
+``TransitionRejected`` (raised, or returned by ``settle``): the
 task was not where the caller thought — another claim owns it, or someone
 else moved it. A worker hands over a ``Settlement`` (``decisions``): the claim
 and what becomes of it.
@@ -29,9 +29,9 @@ from sqlalchemy.engine import Connection
 from agentbus.admission.routing import Route
 from agentbus.errors import TaskNotFound, TransitionRejected
 from agentbus.queue import events, reads, wakeups
-from agentbus.queue.base import Clock, text_safe
-from agentbus.queue.by_hand import SteeringOps
+from agentbus.queue.by_hand import ByHandOps
 from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
+from agentbus.queue.guarded import Clock, text_safe
 from agentbus.queue.statements import (
     ENQUEUE_ARRAYS,
     ENQUEUE_MANY_POSTGRES,
@@ -70,7 +70,7 @@ class Enqueued:
     created: bool  # False: the idempotency key named an existing task
 
 
-class TaskQueue(SweepOps, SteeringOps):
+class TaskQueue(SweepOps, ByHandOps):
     """Queue operations over one database, with an injectable clock."""
 
     # -- producers -----------------------------------------------------------
@@ -186,13 +186,13 @@ class TaskQueue(SweepOps, SteeringOps):
         lease_sec: float,
         limit: int,
     ) -> tuple[list[TransitionRejected], list[Task]]:
-        """Settle ``items`` (as ``settle_many``) and claim up to ``limit`` next tasks (as
+        """Settle ``items`` (as ``settle``) and claim up to ``limit`` next tasks (as
         ``claim``): a worker's steady state. Completions and the claim are one
         transaction (``agentbus.queue.settle_and_claim``: one statement on PostgreSQL), so a
         worker pays one commit per claim. ``limit`` 0 only settles."""
         acks = [i for i in items if isinstance(i.decision, Complete)]
         others = [i for i in items if not isinstance(i.decision, Complete)]
-        lost = self._settle_others(others, worker) if others else []
+        lost = self._move_claims(others, worker) if others else []
         if not acks and limit <= 0:
             return lost, []
         acked, rows = self._steady.run(
@@ -228,34 +228,41 @@ class TaskQueue(SweepOps, SteeringOps):
 
     # -- settling a claim ----------------------------------------------------
 
-    def settle(self, item: Settlement, *, worker: str | None = None) -> TransitionRejected | None:
-        """Make the change ``item.decision`` names; returns why not if the claim was lost."""
-        lost = self.settle_many([item], worker=worker)
-        return lost[0] if lost else None
-
-    def settle_many(
+    def settle(
         self, items: Sequence[Settlement], *, worker: str | None = None
     ) -> list[TransitionRejected]:
-        """Settle several claims (a batch's acknowledgement): the completions in one
-        transaction, the other decisions in another.
+        """Make the change each item's decision names (a batch's acknowledgement: the
+        completions in one transaction, the other decisions in another).
 
-        Each settlement whose guarded write matched no row (the claim was lost:
-        its lease ran out and another claim owns the task, or someone moved it)
-        changes nothing and comes back as a ``TransitionRejected`` saying where
-        the task is; the others are settled with their events and routes.
+        Each item whose guarded write matched no row (the claim was lost: its lease
+        ran out and another claim owns the task, or someone moved it) changes nothing
+        and comes back as a ``TransitionRejected`` saying where the task is; the
+        others are made with their events and routes.
         """
         return self.settle_and_claim(items, "", worker, 0, 0)[0]
 
-    def _settle_others(
+    def _move_claims(
         self, items: Sequence[Settlement], worker: str | None
     ) -> list[TransitionRejected]:
-        """Settle claims other than completions in one transaction."""
+        """Make decisions other than completions, in one transaction, with their event
+        rows and routes."""
 
         def work(conn: Connection) -> list[TransitionRejected]:
-            moves: list[dict[str, Any]] = []
-            lost = self._settle_in(conn, items, worker, self.clock(), moves)
-            events.record(conn, moves)
-            return lost
+            now = self.clock()
+            moved: set[int] = set()
+            for item in items:
+                action, params = settle_params(item.decision)
+                full = {"p_id": item.task_id, "p_token": item.token, "p_now": now, **params}
+                if conn.execute(SETTLE[action], text_safe(full)).rowcount == 1:
+                    moved.add(item.task_id)
+            done = [i for i in items if i.task_id in moved]
+            events.record(conn, [events.for_settlement(i, worker, now) for i in done])
+            events.record_routes(conn, [route for i in done for route in i.routes])
+            return [
+                self._rejection(conn, i.task_id, action_of(i.decision), i.token)
+                for i in items
+                if i.task_id not in moved
+            ]
 
         return self.db.write(work)
 
@@ -268,31 +275,6 @@ class TaskQueue(SweepOps, SteeringOps):
             return [self._rejection(conn, i.task_id, "complete", i.token) for i in items]
 
         return self.db.read(work)
-
-    def _settle_in(
-        self,
-        conn: Connection,
-        items: Sequence[Settlement],
-        worker: str | None,
-        now: float,
-        moves: list[dict[str, Any]],
-    ) -> list[TransitionRejected]:
-        """Settle in ``conn`` (no completions: ``steady``); the settled moves' event rows
-        are added to ``moves``."""
-        settled: set[int] = set()
-        for item in items:
-            action, params = settle_params(item.decision)
-            full = {"p_id": item.task_id, "p_token": item.token, "p_now": now, **params}
-            if conn.execute(SETTLE[action], text_safe(full)).rowcount == 1:
-                settled.add(item.task_id)
-        done = [i for i in items if i.task_id in settled]
-        moves.extend(events.for_settlement(i, worker, now) for i in done)
-        events.record_routes(conn, [route for i in done for route in i.routes])
-        return [
-            self._rejection(conn, i.task_id, action_of(i.decision), i.token)
-            for i in items
-            if i.task_id not in settled
-        ]
 
     # Named shorthands of ``settle`` (tests, scripts, operators): each raises
     # TransitionRejected when the claim was lost.
@@ -307,7 +289,7 @@ class TaskQueue(SweepOps, SteeringOps):
         worker: str | None = None,
         routes: Sequence[Route] = (),
     ) -> None:
-        self._settle_or_raise(Settlement(task_id, token, Complete(result, model), routes), worker)
+        self._raise_lost(Settlement(task_id, token, Complete(result, model), routes), worker)
 
     def fail(
         self,
@@ -321,11 +303,11 @@ class TaskQueue(SweepOps, SteeringOps):
     ) -> None:
         """Permanent failure: the work cannot succeed."""
         decision = Fail(reason, spend_attempt)
-        self._settle_or_raise(Settlement(task_id, token, decision, routes), worker)
+        self._raise_lost(Settlement(task_id, token, decision, routes), worker)
 
     def error(self, task_id: int, token: int, error: str, *, worker: str | None = None) -> None:
         """An unexpected exception in handler or worker code."""
-        self._settle_or_raise(Settlement(task_id, token, Crash(error)), worker)
+        self._raise_lost(Settlement(task_id, token, Crash(error)), worker)
 
     def pause(
         self,
@@ -344,13 +326,13 @@ class TaskQueue(SweepOps, SteeringOps):
         ``cooldown`` False (a gate refused: a rate window, a circuit, slots) does not
         count as re-entering ``model``'s cooldown (the sweeper's re-entry rule)."""
         decision = Pause(resume_after, model, reason, cooldown=cooldown)
-        self._settle_or_raise(Settlement(task_id, token, decision, routes), worker)
+        self._raise_lost(Settlement(task_id, token, decision, routes), worker)
 
     def release(
         self, task_id: int, token: int, reason: str = "shutdown", *, worker: str | None = None
     ) -> None:
         """Give a claimed task back untouched (no attempt spent)."""
-        self._settle_or_raise(Settlement(task_id, token, Release(reason)), worker)
+        self._raise_lost(Settlement(task_id, token, Release(reason)), worker)
 
     def requeue(
         self,
@@ -364,12 +346,13 @@ class TaskQueue(SweepOps, SteeringOps):
     ) -> None:
         """A retryable failure: the attempt is spent and the task waits until ``run_after``."""
         decision = Requeue(run_after, error)
-        self._settle_or_raise(Settlement(task_id, token, decision, routes), worker)
+        self._raise_lost(Settlement(task_id, token, decision, routes), worker)
 
-    def _settle_or_raise(self, item: Settlement, worker: str | None) -> None:
-        lost = self.settle(item, worker=worker)
-        if lost is not None:
-            raise lost
+    def _raise_lost(self, item: Settlement, worker: str | None) -> None:
+        """Settle one claim; raise its ``TransitionRejected`` when it was lost."""
+        lost = self.settle([item], worker=worker)
+        if lost:
+            raise lost[0]
 
     # -- operators -----------------------------------------------------------
 

@@ -42,7 +42,9 @@ from agentbus.schema import settle_listeners
 log = get_logger("agentbus.wakeups")
 
 CHANNEL = "agentbus_queued"
-SETTLED = "agentbus_settled"  # a task reached an end (done, failed, error, cancelled)
+# A task reached an end (done, failed, error, cancelled). The channel keeps its first
+# name: producers and workers of two releases still hear each other during an upgrade.
+ENDED = "agentbus_settled"
 LOOK_SEC = 0.05
 #: Behind a pooler with no ``listen_url`` a PostgreSQL worker cannot LISTEN: it looks
 #: every LOOK_SEC for POOLED_FAST_SEC after its last task, then ever less often, up to
@@ -79,18 +81,18 @@ def look_sec(idle_sec: float, *, pooled: bool) -> float:
 
 
 def listening() -> sa.Exists:
-    """SQL (PostgreSQL): a producer listens for settled tasks now."""
+    """SQL (PostgreSQL): a producer listens for ended tasks now."""
     now = sa.func.extract("epoch", sa.func.now())
     return sa.exists().where(settle_listeners.c.until > now)
 
 
-def settled_notice(*conditions: Any) -> sa.Select[Any]:
+def ended_notice(*conditions: Any) -> sa.Select[Any]:
     """SQL (PostgreSQL): notify the producers waiting for tasks, only while one listens
     and ``conditions`` hold (the steady state's: some completion held)."""
-    return sa.select(sa.func.pg_notify(SETTLED, "")).where(listening(), *conditions)
+    return sa.select(sa.func.pg_notify(ENDED, "")).where(listening(), *conditions)
 
 
-_SETTLED = settled_notice()
+_ENDED = ended_notice()
 # A listener's row: stale rows (their process gone) go first; then its own, until
 # LISTENER_TTL_SEC from now. Plain SQL: a listener talks to psycopg directly.
 _REGISTER = (
@@ -110,22 +112,22 @@ def notify(conn: Connection, agents: Iterable[str]) -> None:
         conn.execute(_NOTIFY, {"agent": agent})
 
 
-def settled(conn: Connection) -> None:
+def notify_ended(conn: Connection) -> None:
     """Tell the producers waiting for tasks that some reached an end (PostgreSQL; on
     commit, and only while one listens): each looks again at the tasks it waits for."""
     if conn.dialect.name == "postgresql":
-        conn.execute(_SETTLED)
+        conn.execute(_ENDED)
 
 
 class Listener:
     """Calls ``wake()`` whenever ``channel`` is notified with ``payload`` (None: any) — a
-    task of an agent queued, or tasks settled — from a thread LISTENing on its own
+    task of an agent queued, or tasks ended — from a thread LISTENing on its own
     PostgreSQL connection. ``listening`` is set while it does: when its connection is
     lost it wakes its owner (who looks for itself meanwhile), says so once for the
     whole outage, reconnects every 5 s, and wakes its owner again once back, since
     something may have happened meanwhile.
 
-    With ``register`` (the settled tasks' channel) it keeps a row of
+    With ``register`` (the ended tasks' channel) it keeps a row of
     ``settle_listeners`` current while it listens, so that settles notify; it wakes
     its owner once the row is there (a settle that began before may not have seen it)."""
 

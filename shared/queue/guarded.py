@@ -28,7 +28,7 @@ def text_safe(params: Mapping[str, Any]) -> dict[str, Any]:
     return {key: events.storable(value) for key, value in params.items()}
 
 
-class QueueBase:
+class GuardedQueue:
     def __init__(
         self,
         db: Database,
