@@ -1,5 +1,5 @@
 # `make check` is what CI runs after installing: format, lint, types, tests.
-.PHONY: check format lint types test bench
+.PHONY: check format lint types test bench fuzz
 
 check: format lint types test
 
@@ -17,3 +17,7 @@ test:
 
 bench:
 	.venv/bin/python scripts/bench.py
+
+# The fuzz tests with many more examples, from fresh seeds (CI runs a short, fixed set).
+fuzz:
+	AGENTBUS_FUZZ=long .venv/bin/pytest -n 2 tests/test_fuzz.py tests/test_fuzz_api.py

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from agentbus.client import FIRST_LOOK_SEC, AgentBus, time_left
+from agentbus.client import FIRST_LOOK_SEC, AgentBus, checked_ids, checked_timeout, time_left
 from agentbus.config import Settings
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import Task
@@ -82,6 +82,7 @@ class AsyncAgentBus:
         self, task_ids: Sequence[int], *, timeout: float | None = None
     ) -> builtins.list[Task]:
         bus = self.sync
+        task_ids, timeout = checked_ids(task_ids), checked_timeout(timeout)
         loop = asyncio.get_running_loop()
         heard = asyncio.Event()
 

@@ -23,6 +23,8 @@ on SQLite they look again after 5 ms, doubling up to 50 ms.
 from __future__ import annotations
 
 import builtins
+import itertools
+import math
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -36,6 +38,7 @@ from sqlalchemy.engine import Connection
 
 from agentbus.admission.routing import check_task
 from agentbus.catalog import Catalog
+from agentbus.catalog.model import NAME_RE
 from agentbus.config import Config, LiveConfig, Settings, load_config
 from agentbus.db import Database
 from agentbus.errors import ConfigError, InvalidTask, TaskNotFound, WaitTimeout
@@ -75,6 +78,69 @@ def time_left(
         waiting = [i for i in task_ids if i not in done]
         raise WaitTimeout(f"tasks still running: {', '.join(map(str, waiting))}")
     return left
+
+
+MAX_TASK_ID = 2**63 - 1  # the largest id either database stores
+MAX_IDS = 10_000  # task ids one call takes
+MAX_LIMIT = 100_000  # tasks one list returns (busctl tasks --limit: the same)
+
+
+def checked_id(value: object) -> int:
+    """A task id as given: an integer (TaskNotFound when no task can have it)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidTask(f"a task id must be an integer, not {type(value).__name__}")
+    if not 1 <= value <= MAX_TASK_ID:
+        raise TaskNotFound(f"task {value} does not exist")
+    return value
+
+
+def checked_ids(values: object) -> builtins.list[int]:
+    """Task ids as given: a list (or tuple) of at most MAX_IDS integers."""
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        raise InvalidTask(f"task ids must be a list of integers, not {type(values).__name__}")
+    given = builtins.list(itertools.islice(values, MAX_IDS + 1))
+    if len(given) > MAX_IDS:
+        raise InvalidTask(f"at most {MAX_IDS} task ids at a time")
+    return [checked_id(value) for value in given]
+
+
+def existing(values: Sequence[object]) -> builtins.list[int]:
+    """The ids among ``values`` a task can have (integers; others raise InvalidTask)."""
+    ids = []
+    for value in values:
+        try:
+            ids.append(checked_id(value))
+        except TaskNotFound:
+            continue  # out of range: no task to move
+    return ids
+
+
+def checked_timeout(value: object) -> float | None:
+    """A wait's timeout: None (no end) or seconds, 0 or more."""
+    if value is None:
+        return None
+    if not _is_number(value) or value != value or value < 0:  # type: ignore[operator]
+        raise InvalidTask(
+            f"timeout must be None or a number of seconds of 0 or more, not {value!r}"
+        )
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an integer past any float: no end in practice
+        return math.inf
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def seconds_until(run_at: object) -> float:
+    """How far off an aware datetime is (0 if past); InvalidTask for anything else."""
+    if not isinstance(run_at, datetime) or run_at.tzinfo is None:
+        raise InvalidTask("run_at must be a timezone-aware datetime")
+    try:
+        return max(0.0, run_at.timestamp() - time.time())
+    except (OverflowError, ValueError, OSError):
+        raise InvalidTask(f"run_at is out of range: {run_at!r}") from None
 
 
 class AgentBus:
@@ -170,69 +236,88 @@ class AgentBus:
     ) -> builtins.list[int]:
         """Queue many tasks in one transaction; returns their ids in order. Each item
         takes the keyword names of ``enqueue`` (``agent`` and ``text`` required)."""
+        if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
+            raise InvalidTask(f"items must be a list of task mappings, not {type(items).__name__}")
         specs = [self._spec(item) for item in items]
         if connection is not None:
             return [e.id for e in self.queue.enqueue_on(connection, specs)]
         return self.queue.enqueue_many(specs)
 
     def _spec(self, item: Mapping[str, Any]) -> TaskSpec:
-        unknown = sorted(set(item) - ITEM_KEYS)
+        """One item as a checked ``TaskSpec``: every value is taken as given (no
+        coercion), so a wrong type is refused by name, never converted or crashed on."""
+        if not isinstance(item, Mapping):
+            raise InvalidTask(f"a task item must be a mapping, not {type(item).__name__}")
+        unknown = sorted(repr(k) for k in item if k not in ITEM_KEYS)
         if unknown:
             raise InvalidTask(f"unknown task field {', '.join(unknown)}")
         for required in ("agent", "text"):
             if item.get(required) is None:
                 raise InvalidTask(f"a task needs {required!r}")
-        delay = float(item.get("delay_sec") or 0.0)
+        delay = item.get("delay_sec")
         run_at = item.get("run_at")
         if run_at is not None:
-            if delay:
+            if delay is not None and not (_is_number(delay) and delay == 0):
                 raise InvalidTask("give run_at or delay_sec, not both")
-            if not isinstance(run_at, datetime) or run_at.tzinfo is None:
-                raise InvalidTask("run_at must be a timezone-aware datetime")
-            delay = max(0.0, run_at.timestamp() - time.time())
+            delay = seconds_until(run_at)
         models = item.get("models")
-        if isinstance(models, str):
-            raise InvalidTask("models must be a list of model ids, not one string")
-        chain = tuple(models) if models is not None else None
-        try:
-            check_task(self.catalog, agent=item["agent"], models=chain, role=item.get("role"))
-        except ConfigError as exc:  # the task does not fit the config: bad input
-            raise InvalidTask(exc.message) from None
-        return TaskSpec(
+        if models is not None and (
+            isinstance(models, (str, bytes)) or not isinstance(models, Sequence)
+        ):
+            raise InvalidTask(f"models must be a list of model ids, not {type(models).__name__}")
+        payload = item.get("payload")
+        if payload is not None and not isinstance(payload, Mapping):
+            raise InvalidTask(f"the payload must be a JSON object, not {type(payload).__name__}")
+        spec = TaskSpec(
             agent=item["agent"],
             command=item["text"],
-            models=chain,
+            models=tuple(models) if models is not None else None,
             role=item.get("role"),
-            payload=dict(item.get("payload") or {}),
-            priority=int(item.get("priority") or 0),
-            delay_sec=delay,
+            payload=dict(payload) if payload is not None else {},
+            priority=0 if item.get("priority") is None else item["priority"],
+            delay_sec=0.0 if delay is None else delay,
             max_attempts=item.get("max_attempts"),
             key=item.get("key"),
         )
+        try:
+            check_task(self.catalog, agent=spec.agent, models=spec.models, role=spec.role)
+        except ConfigError as exc:  # the task does not fit the config: bad input
+            raise InvalidTask(exc.message) from None
+        return spec
 
     # -- reading and steering --------------------------------------------------
 
     def get(self, task_id: int) -> Task:
-        return self.queue.get(task_id)
+        return self.queue.get(checked_id(task_id))
 
     def list(
         self, *, status: TaskStatus | str | None = None, agent: str | None = None, limit: int = 50
     ) -> builtins.list[Task]:
         """The newest tasks, optionally of one status and/or agent."""
-        value = TaskStatus(status).value if status is not None else None
+        value = None
+        if status is not None:
+            try:
+                value = TaskStatus(status).value
+            except (ValueError, TypeError):
+                names = ", ".join(s.value for s in TaskStatus)
+                raise InvalidTask(f"unknown status {status!r}: one of {names}") from None
+        if agent is not None and (not isinstance(agent, str) or not NAME_RE.match(agent)):
+            raise InvalidTask(f"invalid agent name {agent!r}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+            raise InvalidTask(f"limit must be an integer from 1 to {MAX_LIMIT}, not {limit!r}")
         return reads.list_tasks(self.db, status=value, agent=agent, limit=limit)
 
     def cancel(self, *task_ids: int) -> builtins.list[int]:
         """Cancel queued, paused or claimed tasks; returns the ids that were cancelled."""
-        return self.queue.cancel(list(task_ids), by=self.by)
+        return self.queue.cancel(existing(task_ids), by=self.by)
 
     def resume(self, *task_ids: int) -> builtins.list[int]:
         """Paused tasks back to the queue now; returns the ids that were paused."""
-        return self.queue.resume(list(task_ids), by=self.by)
+        return self.queue.resume(existing(task_ids), by=self.by)
 
     def retry(self, task_id: int) -> None:
         """A failed, errored or cancelled task back to the queue with fresh attempts."""
-        self.queue.retry(task_id, by=self.by)
+        self.queue.retry(checked_id(task_id), by=self.by)
 
     # -- waiting ---------------------------------------------------------------
 
@@ -245,6 +330,7 @@ class AgentBus:
         self, task_ids: Sequence[int], *, timeout: float | None = None
     ) -> builtins.list[Task]:
         """Block until every task has ended; returns them in the order asked."""
+        task_ids, timeout = checked_ids(task_ids), checked_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         self._listen()
         done: dict[int, Task] = {}
@@ -263,6 +349,7 @@ class AgentBus:
 
     def ended_among(self, task_ids: Sequence[int]) -> dict[int, Task]:
         """Those of ``task_ids`` that have ended (one read; unknown ids raise)."""
+        task_ids = checked_ids(task_ids)
         if not task_ids:
             return {}
         ends = [s.value for s in TERMINAL]

@@ -79,7 +79,7 @@ def test_enqueue_many_is_one_transaction_that_honours_keys(db_url: str) -> None:
         assert ids[1] == known and len(set(ids)) == 3
         assert [bus.get(i).command for i in ids] == ["a", "first", "b"]
         before = reads.counts(bus.db)
-        with pytest.raises(InvalidTask, match="unknown task field colour"):
+        with pytest.raises(InvalidTask, match="unknown task field 'colour'"):
             bus.enqueue_many([{"agent": "codex", "text": "c", "models": ["sim/a"]}, {"colour": 1}])
         with pytest.raises(InvalidTask, match="task text is empty"):
             bus.enqueue_many(

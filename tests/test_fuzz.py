@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import given, reject
 from hypothesis import strategies as st
 
 from agentbus import cli
@@ -29,12 +29,8 @@ from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import bus_commands, task_events
 from agentbus.worker import policy
 from agentbus.worker.runner import Runner
+from tests.fuzzing import FUZZ
 
-FUZZ = settings(
-    max_examples=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
 text = st.text(st.characters(codec="utf-8"), max_size=40)
 # What a shell or a careless caller hands over: lone surrogates (undecodable argv bytes).
 any_text = st.text(st.characters(), max_size=40)

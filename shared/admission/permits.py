@@ -26,6 +26,7 @@ from agentbus.admission.admission import Admission, Permit
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import Refusal
 from agentbus.admission.routing import Candidate, Route
+from agentbus.catalog.model import NAME_RE
 from agentbus.config import Config, LiveConfig
 from agentbus.db import Database
 from agentbus.errors import ConfigError, InvalidTask, Refused
@@ -71,6 +72,11 @@ class CallPermit:
             self.outcome = status_outcome(status, lowered, detail)
 
 
+#: The most tokens one permit may say its call uses (a hundred million: past any model's
+#: context and answer together).
+MAX_PERMIT_TOKENS = 100_000_000
+
+
 class Permits:
     """The admission of one producer process (``AgentBus.permit``)."""
 
@@ -97,9 +103,16 @@ class Permits:
         """``tokens``: what the call will use (its prompt and answer), counted in the
         usage ledger, and so by the daily token budget, unless the block reports usage."""
         if tokens is not None and (
-            isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0
+            isinstance(tokens, bool)
+            or not isinstance(tokens, int)
+            or not 0 <= tokens <= MAX_PERMIT_TOKENS
         ):
-            raise InvalidTask(f"tokens must be a whole number of 0 or more, got {tokens!r}")
+            raise InvalidTask(
+                f"tokens must be a whole number from 0 to {MAX_PERMIT_TOKENS:,}, got {tokens!r}"
+            )
+        for label, name in (("model", model), ("agent", agent)):
+            if not isinstance(name, str) or not NAME_RE.match(name):
+                raise InvalidTask(f"invalid {label} name {name!r}")
         admission = self.admission
         catalog = admission.catalog
         if not catalog.knows(model):

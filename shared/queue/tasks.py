@@ -21,6 +21,8 @@ from agentbus.schema import InvalidJSON
 
 MAX_TEXT = 1_000_000
 MAX_DELAY_SEC = 10 * 366 * 86400.0  # ten years: anything later is a mistake
+MAX_CHAIN = 64  # candidate models of one task
+MAX_KEY = 255  # characters of an idempotency key
 HARD_MAX_DEPTH = 1000  # nesting beyond this is refused before anything recurses into it
 
 
@@ -83,13 +85,19 @@ def validate(spec: TaskSpec) -> None:
         raise InvalidTask(
             f"invalid agent name {spec.agent!r}: use letters, digits and _ . : / @ + -"
         )
-    if not isinstance(spec.command, str) or not spec.command.strip():
+    if not isinstance(spec.command, str):
+        raise InvalidTask(f"the task text must be a string, not {type(spec.command).__name__}")
+    if not spec.command.strip():
         raise InvalidTask("the task text is empty")
     if len(spec.command) > MAX_TEXT:
         raise InvalidTask(f"the task text is longer than {MAX_TEXT} characters")
     if spec.models is not None:
         if not spec.models:
             raise InvalidTask("the model chain is empty")
+        if len(spec.models) > MAX_CHAIN:
+            raise InvalidTask(
+                f"the model chain has {len(spec.models)} models, more than {MAX_CHAIN}"
+            )
         for model in spec.models:
             if not isinstance(model, str) or not NAME_RE.match(model):
                 raise InvalidTask(f"invalid model name {model!r}")
@@ -98,7 +106,7 @@ def validate(spec: TaskSpec) -> None:
     if spec.role is not None and (not isinstance(spec.role, str) or not NAME_RE.match(spec.role)):
         raise InvalidTask(f"invalid role name {spec.role!r}")
     if not isinstance(spec.payload, Mapping):
-        raise InvalidTask("the payload must be a JSON object")
+        raise InvalidTask(f"the payload must be a JSON object, not {type(spec.payload).__name__}")
     nesting = depth(spec.payload)
     if nesting > HARD_MAX_DEPTH:
         raise InvalidTask(f"the payload nests deeper than {HARD_MAX_DEPTH} levels")
@@ -119,7 +127,11 @@ def validate(spec: TaskSpec) -> None:
         raise InvalidTask("priority must be an integer")
     if not -1_000_000 <= spec.priority <= 1_000_000:
         raise InvalidTask("priority must be between -1000000 and 1000000")
-    if not isinstance(spec.delay_sec, (int, float)) or not math.isfinite(spec.delay_sec):
+    if (
+        isinstance(spec.delay_sec, bool)
+        or not isinstance(spec.delay_sec, (int, float))
+        or (isinstance(spec.delay_sec, float) and not math.isfinite(spec.delay_sec))
+    ):
         raise InvalidTask("run-after must be a finite number of seconds")
     if spec.delay_sec < 0:
         raise InvalidTask("run-after must not be negative")
@@ -131,8 +143,8 @@ def validate(spec: TaskSpec) -> None:
         or not 1 <= spec.max_attempts <= 1000
     ):
         raise InvalidTask("max-attempts must be an integer from 1 to 1000")
-    if spec.key is not None and (not isinstance(spec.key, str) or not 0 < len(spec.key) <= 255):
-        raise InvalidTask("the idempotency key must be 1 to 255 characters")
+    if spec.key is not None and (not isinstance(spec.key, str) or not 0 < len(spec.key) <= MAX_KEY):
+        raise InvalidTask(f"the idempotency key must be a string of 1 to {MAX_KEY} characters")
 
 
 def check_payload(spec: TaskSpec, limits: PayloadLimits) -> None:
