@@ -8,6 +8,7 @@ migrations in ``migrations/`` create exactly this schema; a test compares them.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import sqlalchemy as sa
@@ -48,9 +49,125 @@ class LenientJSON(sa.TypeDecorator[Any]):
         return process
 
 
+# SQLite keeps whatever a column is given, and operators write rows by hand: the
+# column types below read a value of another type as their own, or as None when it
+# has no such reading (``'tomorrow'`` in a time), so that no reader meets a string where
+# it does arithmetic. Which rows hold such values is said by ``agentbus.queue.malformed``.
+
+
+def _text(value: Any) -> Any:
+    if value is None or type(value) is str:
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+class UnreadInt(int):
+    """0 read from a NOT NULL whole-number column that holds no number (``stored``): it
+    counts as 0 for every reader, and a task's reader (``Task.from_row``) knows it for
+    what it is: ``type(value) is not int``."""
+
+    stored: Any
+
+
+class UnreadFloat(float):
+    """0.0 read from a NOT NULL time or span that holds no finite number (``stored``)."""
+
+    stored: Any
+
+
+def _unread(kind: type[Any], stored: Any) -> Any:
+    value = kind(0)
+    value.stored = stored
+    return value
+
+
+def _integer(fallback: int | None) -> Any:
+    def read(value: Any) -> Any:
+        if type(value) is int:
+            return value
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            return int(value)
+        # NULL stays None: an aggregate over no rows (MIN of a NOT NULL column) is NULL.
+        return None if fallback is None or value is None else _unread(UnreadInt, value)
+
+    return read
+
+
+def _real(fallback: float | None) -> Any:
+    def read(value: Any) -> Any:
+        if type(value) is float and math.isfinite(value):
+            return value
+        if type(value) is int:
+            return float(value)
+        return None if fallback is None or value is None else _unread(UnreadFloat, value)
+
+    return read
+
+
+class Text(sa.TypeDecorator[str]):
+    """TEXT, read as text on SQLite whatever was stored (bytes decoded, numbers spelt)."""
+
+    impl = sa.Text
+    cache_ok = True
+
+    def result_processor(self, dialect: sa.Dialect, coltype: object) -> Any:
+        return _text if dialect.name == "sqlite" else None
+
+
+class Integer(sa.TypeDecorator[int]):
+    """INTEGER, read on SQLite as an int, or as ``fallback`` when it holds none (0 for
+    the columns that are NOT NULL: see the end of this module)."""
+
+    impl = sa.Integer
+    cache_ok = True
+
+    def __init__(self, fallback: int | None = None) -> None:
+        super().__init__()
+        self.fallback = fallback
+
+    def result_processor(self, dialect: sa.Dialect, coltype: object) -> Any:
+        return _integer(self.fallback) if dialect.name == "sqlite" else None
+
+
+class BigInteger(Integer):
+    impl = sa.BigInteger
+    cache_ok = True
+
+
+class Real(sa.TypeDecorator[float]):
+    """Seconds (a time: Unix epoch seconds; or a span) in double precision, read as a
+    finite float, or as ``fallback`` when it holds none (text on SQLite, NaN or an
+    infinity anywhere; 0.0 for the columns that are NOT NULL)."""
+
+    impl = sa.Float
+    cache_ok = True
+
+    def __init__(self, fallback: float | None = None) -> None:
+        super().__init__()
+        self.fallback = fallback
+
+    def load_dialect_impl(self, dialect: sa.Dialect) -> sa.types.TypeEngine[Any]:
+        real = sa.REAL() if dialect.name == "sqlite" else sa.Float(precision=53)
+        return dialect.type_descriptor(real)
+
+    def result_processor(self, dialect: sa.Dialect, coltype: object) -> Any:
+        return _real(self.fallback)
+
+
+class Float(Real):
+    """FLOAT (as ``sa.Float`` makes it: double precision), read as ``Real`` reads."""
+
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: sa.Dialect) -> sa.types.TypeEngine[Any]:
+        return dialect.type_descriptor(sa.Float())
+
+
 #: Integer primary keys: 64-bit on Postgres, the rowid alias on SQLite.
 BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
-Epoch = sa.Float(precision=53).with_variant(sa.REAL(), "sqlite")
+Epoch = Real()
 
 STATUS_VALUES = ", ".join(f"'{s.value}'" for s in TaskStatus)
 STATUS_CHECK = f"status IN ({STATUS_VALUES})"  # SQLite's table has it as equalities (0018)
@@ -61,32 +178,32 @@ bus_commands = sa.Table(
     "bus_commands",
     metadata,
     sa.Column("id", BigId, primary_key=True),
-    sa.Column("agent", sa.Text, nullable=False),
-    sa.Column("command", sa.Text),
+    sa.Column("agent", Text, nullable=False),
+    sa.Column("command", Text),
     sa.Column("payload", LenientJSON),
     sa.Column("models", LenientJSON),
-    sa.Column("role", sa.Text),
-    sa.Column("status", sa.Text, nullable=False, server_default=TaskStatus.QUEUED.value),
-    sa.Column("priority", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("role", Text),
+    sa.Column("status", Text, nullable=False, server_default=TaskStatus.QUEUED.value),
+    sa.Column("priority", Integer, nullable=False, server_default="0"),
     sa.Column("run_after", Epoch, nullable=False, server_default="0"),
-    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("max_attempts", sa.Integer, nullable=False, server_default="3"),
-    sa.Column("claim_token", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("claimed_by", sa.Text),
+    sa.Column("attempts", Integer, nullable=False, server_default="0"),
+    sa.Column("max_attempts", Integer, nullable=False, server_default="3"),
+    sa.Column("claim_token", BigInteger, nullable=False, server_default="0"),
+    sa.Column("claimed_by", Text),
     sa.Column("claimed_at", Epoch),
     sa.Column("lease_until", Epoch),
     sa.Column("resume_after", Epoch),
     sa.Column("first_paused_at", Epoch),
-    sa.Column("pause_reason", sa.Text),
-    sa.Column("pause_model", sa.Text),
-    sa.Column("pause_count", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("resume_count", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("reentry_count", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("rescue_count", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("idempotency_key", sa.Text),
-    sa.Column("result", sa.Text),
-    sa.Column("result_note", sa.Text),
-    sa.Column("last_error", sa.Text),
+    sa.Column("pause_reason", Text),
+    sa.Column("pause_model", Text),
+    sa.Column("pause_count", Integer, nullable=False, server_default="0"),
+    sa.Column("resume_count", Integer, nullable=False, server_default="0"),
+    sa.Column("reentry_count", Integer, nullable=False, server_default="0"),
+    sa.Column("rescue_count", Integer, nullable=False, server_default="0"),
+    sa.Column("idempotency_key", Text),
+    sa.Column("result", Text),
+    sa.Column("result_note", Text),
+    sa.Column("last_error", Text),
     sa.Column("created_at", Epoch),
     sa.Column("updated_at", Epoch),
     sa.Column("paused_at", Epoch),
@@ -131,14 +248,14 @@ task_events = sa.Table(
     "task_events",
     metadata,
     sa.Column("id", BigId, primary_key=True),
-    sa.Column("task_id", sa.BigInteger, nullable=False),
-    sa.Column("from_status", sa.Text),
-    sa.Column("to_status", sa.Text, nullable=False),
-    sa.Column("reason", sa.Text),
-    sa.Column("worker", sa.Text),
-    sa.Column("claim_token", sa.BigInteger),
+    sa.Column("task_id", BigInteger, nullable=False),
+    sa.Column("from_status", Text),
+    sa.Column("to_status", Text, nullable=False),
+    sa.Column("reason", Text),
+    sa.Column("worker", Text),
+    sa.Column("claim_token", BigInteger),
     sa.Column("at", Epoch, nullable=False),
-    sa.Column("detail", sa.JSON),
+    sa.Column("detail", LenientJSON),
     sqlite_autoincrement=True,
 )
 sa.Index("ix_task_events_task", task_events.c.task_id, task_events.c.id)
@@ -147,21 +264,21 @@ sa.Index("ix_task_events_at", task_events.c.at)
 model_cooldown = sa.Table(
     "model_cooldown",
     metadata,
-    sa.Column("model_id", sa.Text, primary_key=True),
+    sa.Column("model_id", Text, primary_key=True),
     sa.Column("cooldown_until", Epoch, nullable=False),
     sa.Column("updated_at", Epoch, nullable=False),
-    sa.Column("reason", sa.Text),
-    sa.Column("source", sa.Text),
+    sa.Column("reason", Text),
+    sa.Column("source", Text),
 )
 
 ops_todos = sa.Table(
     "ops_todos",
     metadata,
     sa.Column("id", BigId, primary_key=True),
-    sa.Column("kind", sa.Text, nullable=False),
-    sa.Column("task_id", sa.BigInteger),
-    sa.Column("agent", sa.Text),
-    sa.Column("why", sa.Text, nullable=False),
+    sa.Column("kind", Text, nullable=False),
+    sa.Column("task_id", BigInteger),
+    sa.Column("agent", Text),
+    sa.Column("why", Text, nullable=False),
     sa.Column("created_at", Epoch, nullable=False),
     sa.Column("resolved_at", Epoch),
     sa.UniqueConstraint("kind", "task_id", name="uq_ops_todos_kind_task"),
@@ -174,11 +291,11 @@ ops_todos = sa.Table(
 adopted_tables = sa.Table(
     "adopted_tables",
     metadata,
-    sa.Column("name", sa.Text, primary_key=True),
-    sa.Column("kept_as", sa.Text),
-    sa.Column("found_rows", sa.BigInteger, nullable=False),
-    sa.Column("max_id", sa.BigInteger),
-    sa.Column("columns_added", sa.JSON),
+    sa.Column("name", Text, primary_key=True),
+    sa.Column("kept_as", Text),
+    sa.Column("found_rows", BigInteger, nullable=False),
+    sa.Column("max_id", BigInteger),
+    sa.Column("columns_added", LenientJSON),
     sa.Column("adopted_at", Epoch, nullable=False),
 )
 
@@ -187,8 +304,8 @@ adopted_tables = sa.Table(
 idempotency_keys = sa.Table(
     "idempotency_keys",
     metadata,
-    sa.Column("key", sa.Text, primary_key=True),
-    sa.Column("task_id", sa.BigInteger, nullable=False),
+    sa.Column("key", Text, primary_key=True),
+    sa.Column("task_id", BigInteger, nullable=False),
     sa.Column("created_at", Epoch, nullable=False),
 )
 sa.Index("ix_idempotency_keys_created", idempotency_keys.c.created_at)
@@ -196,18 +313,18 @@ sa.Index("ix_idempotency_keys_created", idempotency_keys.c.created_at)
 workers = sa.Table(
     "workers",
     metadata,
-    sa.Column("id", sa.Text, primary_key=True),
-    sa.Column("agent", sa.Text, nullable=False),
-    sa.Column("host", sa.Text, nullable=False),
-    sa.Column("pid", sa.Integer, nullable=False),
+    sa.Column("id", Text, primary_key=True),
+    sa.Column("agent", Text, nullable=False),
+    sa.Column("host", Text, nullable=False),
+    sa.Column("pid", Integer, nullable=False),
     sa.Column("started_at", Epoch, nullable=False),
     sa.Column("heartbeat_at", Epoch, nullable=False),
-    sa.Column("consecutive_failures", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("consecutive_failures", Integer, nullable=False, server_default="0"),
     sa.Column("backoff_until", Epoch),
-    sa.Column("current_task", sa.BigInteger),  # the earliest claimed of ``running``
-    sa.Column("concurrency", sa.Integer, nullable=False, server_default="1"),
-    sa.Column("running", sa.JSON),  # the ids of the tasks it is running
-    sa.Column("clock_offset", sa.Float),  # the database's clock minus this host's, seconds
+    sa.Column("current_task", BigInteger),  # the earliest claimed of ``running``
+    sa.Column("concurrency", Integer, nullable=False, server_default="1"),
+    sa.Column("running", LenientJSON),  # the ids of the tasks it is running
+    sa.Column("clock_offset", Float()),  # the database's clock minus this host's, seconds
 )
 
 #: One row per model a worker considered for a task: skipped because it was
@@ -217,27 +334,27 @@ route_log = sa.Table(
     "route_log",
     metadata,
     sa.Column("id", BigId, primary_key=True),
-    sa.Column("task_id", sa.BigInteger, nullable=False),
-    sa.Column("claim_token", sa.BigInteger, nullable=False),
-    sa.Column("agent", sa.Text, nullable=False),
-    sa.Column("worker", sa.Text),
-    sa.Column("model", sa.Text, nullable=False),
-    sa.Column("decision", sa.Text, nullable=False),  # skip (cooling) | refuse (a gate) | call
-    sa.Column("outcome", sa.Text),  # ok, rate_limited, overloaded, timeout, auth, error, fatal
+    sa.Column("task_id", BigInteger, nullable=False),
+    sa.Column("claim_token", BigInteger, nullable=False),
+    sa.Column("agent", Text, nullable=False),
+    sa.Column("worker", Text),
+    sa.Column("model", Text, nullable=False),
+    sa.Column("decision", Text, nullable=False),  # skip (cooling) | refuse (a gate) | call
+    sa.Column("outcome", Text),  # ok, rate_limited, overloaded, timeout, auth, error, fatal
     sa.Column("cooldown_until", Epoch),  # seen (skip) or set (call)
     sa.Column("at", Epoch, nullable=False),
     # Admission (migration 0005): who the call went to, why not, and what it cost.
-    sa.Column("role", sa.Text),
-    sa.Column("fallback_from", sa.Text),  # the role whose fallback led to this candidate
-    sa.Column("provider", sa.Text),
-    sa.Column("account", sa.Text),
-    sa.Column("code", sa.Text),  # a refusal's code (decision refuse or skip)
+    sa.Column("role", Text),
+    sa.Column("fallback_from", Text),  # the role whose fallback led to this candidate
+    sa.Column("provider", Text),
+    sa.Column("account", Text),
+    sa.Column("code", Text),  # a refusal's code (decision refuse or skip)
     sa.Column("retry_after", Epoch),  # when the refusing gate admits again
-    sa.Column("gates", sa.JSON),  # gate -> "ok" or its refusal
+    sa.Column("gates", LenientJSON),  # gate -> "ok" or its refusal
     # Migration 0009: the refusal as clients see it (agentbus.admission.gates.Refusal.as_dict).
-    sa.Column("refusal", sa.JSON(none_as_null=True)),
-    sa.Column("prompt_tokens", sa.Integer),
-    sa.Column("completion_tokens", sa.Integer),
+    sa.Column("refusal", LenientJSON(none_as_null=True)),
+    sa.Column("prompt_tokens", Integer),
+    sa.Column("completion_tokens", Integer),
     sa.Column("cost", sa.Float),
     sqlite_autoincrement=True,
 )
@@ -250,11 +367,11 @@ cooldown_history = sa.Table(
     "cooldown_history",
     metadata,
     sa.Column("id", BigId, primary_key=True),
-    sa.Column("model_id", sa.Text, nullable=False),
+    sa.Column("model_id", Text, nullable=False),
     sa.Column("cooldown_until", Epoch, nullable=False),
     sa.Column("set_at", Epoch, nullable=False),
-    sa.Column("reason", sa.Text),
-    sa.Column("source", sa.Text),
+    sa.Column("reason", Text),
+    sa.Column("source", Text),
     sqlite_autoincrement=True,
 )
 sa.Index("ix_cooldown_history_model", cooldown_history.c.model_id, cooldown_history.c.set_at)
@@ -268,21 +385,21 @@ call_slots = sa.Table(
     "call_slots",
     metadata,
     sa.Column("id", BigId, primary_key=True),
-    sa.Column("provider", sa.Text, nullable=False),
-    sa.Column("account", sa.Text, nullable=False, server_default=""),
-    sa.Column("model", sa.Text, nullable=False),
-    sa.Column("agent", sa.Text, nullable=False),
-    sa.Column("bulkhead", sa.Text),
-    sa.Column("task_id", sa.BigInteger),
-    sa.Column("worker", sa.Text),
+    sa.Column("provider", Text, nullable=False),
+    sa.Column("account", Text, nullable=False, server_default=""),
+    sa.Column("model", Text, nullable=False),
+    sa.Column("agent", Text, nullable=False),
+    sa.Column("bulkhead", Text),
+    sa.Column("task_id", BigInteger),
+    sa.Column("worker", Text),
     sa.Column("admitted_at", Epoch, nullable=False),
     sa.Column("lease_until", Epoch, nullable=False),
     sa.Column("released_at", Epoch),
     # The call's number in its account's and its agent's rate window (1, 2, 3 … in
     # admission order; NULL where that window was not configured): the limit-th newest
     # call is then found by number, not by reading the window's calls.
-    sa.Column("account_seq", sa.BigInteger),
-    sa.Column("agent_seq", sa.BigInteger),
+    sa.Column("account_seq", BigInteger),
+    sa.Column("agent_seq", BigInteger),
     sqlite_autoincrement=True,
 )
 sa.Index(
@@ -301,13 +418,13 @@ sa.Index(
 circuits = sa.Table(
     "circuits",
     metadata,
-    sa.Column("provider", sa.Text, primary_key=True),
-    sa.Column("endpoint", sa.Text, nullable=False),
-    sa.Column("state", sa.Text, nullable=False, server_default="closed"),
-    sa.Column("consecutive_failures", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("provider", Text, primary_key=True),
+    sa.Column("endpoint", Text, nullable=False),
+    sa.Column("state", Text, nullable=False, server_default="closed"),
+    sa.Column("consecutive_failures", Integer, nullable=False, server_default="0"),
     sa.Column("opened_at", Epoch),
     sa.Column("open_until", Epoch),
-    sa.Column("probe_owner", sa.Text),
+    sa.Column("probe_owner", Text),
     sa.Column("probe_until", Epoch),
     sa.Column("updated_at", Epoch, nullable=False),
     sa.CheckConstraint("state IN ('closed', 'open', 'half_open')", name="ck_circuits_state"),
@@ -318,7 +435,7 @@ circuit_calls = sa.Table(
     "circuit_calls",
     metadata,
     sa.Column("id", BigId, primary_key=True),
-    sa.Column("provider", sa.Text, nullable=False),
+    sa.Column("provider", Text, nullable=False),
     sa.Column("at", Epoch, nullable=False),
     sa.Column("failed", sa.Boolean, nullable=False),
     sqlite_autoincrement=True,
@@ -330,13 +447,13 @@ usage_daily = sa.Table(
     "usage_daily",
     metadata,
     sa.Column("day", Epoch, primary_key=True),  # the epoch second the UTC day starts
-    sa.Column("model", sa.Text, primary_key=True),
-    sa.Column("account", sa.Text, primary_key=True),
-    sa.Column("worker", sa.Text, primary_key=True),  # per writer: no row every settle waits on
-    sa.Column("provider", sa.Text, nullable=False),
-    sa.Column("calls", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("model", Text, primary_key=True),
+    sa.Column("account", Text, primary_key=True),
+    sa.Column("worker", Text, primary_key=True),  # per writer: no row every settle waits on
+    sa.Column("provider", Text, nullable=False),
+    sa.Column("calls", BigInteger, nullable=False, server_default="0"),
+    sa.Column("prompt_tokens", BigInteger, nullable=False, server_default="0"),
+    sa.Column("completion_tokens", BigInteger, nullable=False, server_default="0"),
     sa.Column("cost", sa.Float, nullable=False, server_default="0"),
 )
 
@@ -345,10 +462,10 @@ usage_daily = sa.Table(
 account_state = sa.Table(
     "account_state",
     metadata,
-    sa.Column("provider", sa.Text, primary_key=True),
-    sa.Column("account", sa.Text, primary_key=True),
-    sa.Column("fingerprint", sa.Text, nullable=False),
-    sa.Column("reason", sa.Text),
+    sa.Column("provider", Text, primary_key=True),
+    sa.Column("account", Text, primary_key=True),
+    sa.Column("fingerprint", Text, nullable=False),
+    sa.Column("reason", Text),
     sa.Column("unusable_since", Epoch, nullable=False),
 )
 
@@ -359,8 +476,8 @@ account_state = sa.Table(
 budget_slots = sa.Table(
     "budget_slots",
     metadata,
-    sa.Column("name", sa.Text, primary_key=True),
-    sa.Column("holder", sa.Text, primary_key=True),
+    sa.Column("name", Text, primary_key=True),
+    sa.Column("holder", Text, primary_key=True),
     sa.Column("reserved_at", Epoch, nullable=False),
     sa.Column("lease_until", Epoch, nullable=False),
 )
@@ -370,9 +487,9 @@ budget_slots = sa.Table(
 budget_state = sa.Table(
     "budget_state",
     metadata,
-    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("id", Integer, primary_key=True),
     sa.Column("armed", sa.Boolean, nullable=False),
-    sa.Column("last_refused", sa.JSON, nullable=False),
+    sa.Column("last_refused", LenientJSON, nullable=False),
     sa.Column("updated_at", Epoch, nullable=False),
 )
 
@@ -383,10 +500,10 @@ bus_events = sa.Table(
     metadata,
     sa.Column("id", BigId, primary_key=True),
     sa.Column("at", Epoch, nullable=False),
-    sa.Column("kind", sa.Text, nullable=False),
-    sa.Column("scope", sa.Text, nullable=False),
-    sa.Column("source", sa.Text),
-    sa.Column("detail", sa.JSON),
+    sa.Column("kind", Text, nullable=False),
+    sa.Column("scope", Text, nullable=False),
+    sa.Column("source", Text),
+    sa.Column("detail", LenientJSON),
     sqlite_autoincrement=True,
 )
 sa.Index("ix_bus_events_kind", bus_events.c.kind, bus_events.c.id)
@@ -397,10 +514,10 @@ sa.Index("ix_bus_events_at", bus_events.c.at)
 workspace_settings = sa.Table(
     "workspace_settings",
     metadata,
-    sa.Column("name", sa.Text, primary_key=True),
-    sa.Column("value", sa.JSON, nullable=False),
+    sa.Column("name", Text, primary_key=True),
+    sa.Column("value", LenientJSON, nullable=False),
     sa.Column("updated_at", Epoch, nullable=False),
-    sa.Column("updated_by", sa.Text),
+    sa.Column("updated_by", Text),
 )
 
 #: Counters that never go backwards (retention deletes the rows they count, not the
@@ -410,9 +527,9 @@ workspace_settings = sa.Table(
 bus_counters = sa.Table(
     "bus_counters",
     metadata,
-    sa.Column("name", sa.Text, primary_key=True),
-    sa.Column("label", sa.Text, primary_key=True, server_default=""),
-    sa.Column("value", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("name", Text, primary_key=True),
+    sa.Column("label", Text, primary_key=True, server_default=""),
+    sa.Column("value", BigInteger, nullable=False, server_default="0"),
 )
 
 #: Histograms and counters that processes observe in memory and add here every few
@@ -422,9 +539,9 @@ bus_counters = sa.Table(
 bus_observations = sa.Table(
     "bus_observations",
     metadata,
-    sa.Column("name", sa.Text, primary_key=True),
-    sa.Column("labels", sa.Text, primary_key=True),
-    sa.Column("le", sa.Text, primary_key=True),
+    sa.Column("name", Text, primary_key=True),
+    sa.Column("labels", Text, primary_key=True),
+    sa.Column("le", Text, primary_key=True),
     sa.Column("value", sa.Float, nullable=False, server_default="0"),
 )
 
@@ -437,6 +554,14 @@ bus_observations = sa.Table(
 settle_listeners = sa.Table(
     "settle_listeners",
     metadata,
-    sa.Column("listener", sa.Text, primary_key=True),
+    sa.Column("listener", Text, primary_key=True),
     sa.Column("until", Epoch, nullable=False),
 )
+
+
+# A NOT NULL number that holds no number (a row written by hand) reads as 0: readers
+# compare and add these. Which rows hold one is said by ``agentbus.queue.malformed``.
+for _table in metadata.tables.values():
+    for _column in _table.columns:
+        if not _column.nullable and isinstance(_column.type, (Integer, Real)):
+            _column.type = type(_column.type)(fallback=0)

@@ -20,9 +20,11 @@ from agentbus.db import Database
 from agentbus.errors import ConfigError
 from agentbus.logging import get_logger
 from agentbus.queue import TaskQueue, retention
+from agentbus.queue import malformed as bad_rows
 from agentbus.queue import workers as worker_rows
 from agentbus.queue.decisions import ALL_REFUSED
 from agentbus.queue.sweeps import DuePause
+from agentbus.schema import bus_commands, model_cooldown, workers
 from agentbus.sweeper.policy import DueTask, plan_resume
 
 log = get_logger("agentbus.sweeper")
@@ -172,6 +174,32 @@ def demote(s: Sweep) -> dict[str, int]:
     return {"demoted": total}
 
 
+def malformed(s: Sweep) -> dict[str, int]:
+    """Rows written by hand that no worker can use: fail such tasks (with an ops_todo),
+    delete such cooldowns and worker rows; one log line per row, once."""
+    batch = s.settings.sweep_batch
+    failed = dropped = 0
+    for _ in range(MAX_ROUNDS):
+        rows = s.db.read(lambda conn: bad_rows.found(conn, bus_commands, batch))
+        moved = s.queue.fail_malformed(rows)
+        for row in rows:
+            if row["key"] in moved:
+                log.warning("task_malformed", task_id=row["key"], why=row["problem"])
+        failed += len(moved)
+        if len(rows) < batch or not moved:
+            break
+    cooling = s.db.read(lambda conn: bad_rows.found(conn, model_cooldown, batch))
+    why = {r["key"]: r["problem"] for r in cooling}
+    for key in s.cooldowns.drop(why, by="sweeper"):
+        log.warning("cooldown_malformed", model=key, why=why[key])
+        dropped += 1
+    beats = s.db.read(lambda conn: bad_rows.found(conn, workers, batch))
+    for row in beats:
+        log.warning("worker_row_malformed", worker=row["key"], why=row["problem"])
+    dropped += worker_rows.drop(s.db, [r["key"] for r in beats])
+    return {"malformed_failed": failed, "malformed_dropped": dropped}
+
+
 def rescue(s: Sweep) -> dict[str, int]:
     """Re-queue claims whose lease expired (poison pills fail), then prune silent workers."""
     requeued = poisoned = 0
@@ -206,9 +234,10 @@ def prune(s: Sweep) -> dict[str, int]:
     return {"pruned": gone}
 
 
-#: The order of a full pass: rescue before pruning workers (inside ``rescue``),
-#: resume before demote (a task due now is resumed, not failed).
-ALL = (rescue, resume, demote, purge, prune)
+#: The order of a full pass: malformed rows first (no other job can read them right),
+#: rescue before pruning workers (inside ``rescue``), resume before demote (a task due
+#: now is resumed, not failed).
+ALL = (malformed, rescue, resume, demote, purge, prune)
 
 
 def _iso(epoch: float) -> str:

@@ -43,6 +43,8 @@ def test_transition_table_is_spec_section_2() -> None:
         (S.PAUSED, S.CANCELLED),
         (S.CLAIMED, S.CANCELLED),
         (S.CANCELLED, S.QUEUED),
+        # A row written by hand that no worker can run is failed by the sweeper.
+        (S.QUEUED, S.FAILED),
     }
     assert {(a, b) for a in S for b in S if is_legal(a, b)} == legal
 

@@ -195,6 +195,7 @@ def events_cmd(c: Context, kinds: tuple[str, ...], limit: int, follow: bool) -> 
 @pass_ctx
 def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
     """One task: its row and its events."""
+    from agentbus.queue import events as task_events
     from agentbus.queue import reads
 
     db = c.database()
@@ -202,7 +203,7 @@ def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
     events = reads.task_events(db, task_id)
     # Why it paused last: each candidate's refusal ({code, name, retry_after_ms, …}).
     pauses = [e for e in events if e["to_status"] == TaskStatus.PAUSED]
-    refused = dict((pauses[-1]["detail"] or {}).get("refusals") or {}) if pauses else {}
+    refused = task_events.pause_refusals(pauses[-1]["detail"]) if pauses else {}
     if as_json:
         doc = {"task": task.as_dict(), "events": events, "refusals": refused}
         click.echo(json.dumps(doc, indent=2))
@@ -217,10 +218,14 @@ def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
         "updated_at",
     }
     for name, value in task.as_dict().items():
+        if name == "problem":
+            continue  # said last, when there is one
         shown = cli.fmt_time(value) if name in times and value else value
         if isinstance(shown, (dict, list)):
             shown = json.dumps(shown)
         click.echo(f"{name:>16}: {'-' if shown is None else shown}")
+    if task.problem:
+        click.echo(f"{'problem':>16}: {task.problem}")
     if task.result_detail:
         click.echo("")
         click.echo(render.answer(task.result_detail))
@@ -266,7 +271,7 @@ def tasks_cmd(c: Context, status: str | None, agent: str | None, limit: int, as_
             f"{t.attempts}/{t.max_attempts}",
             cli.fmt_time(t.resume_after) if t.resume_after else None,
             cli.fmt_time(t.created_at),
-            _excerpt(t.command),
+            f"[{t.problem}] {_excerpt(t.command) or ''}" if t.problem else _excerpt(t.command),
         ]
         for t in tasks
     ]

@@ -73,6 +73,16 @@ def status(doc: dict[str, Any], settings: Settings) -> str:
                 ],
             )
         )
+    bad = doc["malformed"]
+    if any(bad["counts"].values()):
+        counted = ", ".join(f"{n} in {table}" for table, n in bad["counts"].items() if n)
+        out.append(f"\nmalformed rows ({counted}): the sweeper fails such a task, deletes the rest")
+        out.append(
+            cli.table(
+                ["table", "key", "problem"],
+                [[r["table"], r["key"], r["problem"]] for r in bad["rows"]],
+            )
+        )
     return "\n".join(out)
 
 

@@ -176,6 +176,15 @@ class SnapshotCollector(Collector):
             ),
             failures,
         )
+        yield _labelled(
+            GaugeMetricFamily(
+                "agentbus_malformed_rows",
+                "Rows written by hand that agentbus cannot use, per table (tasks not yet "
+                "ended, cooldowns, workers); the sweeper fails such a task and deletes the rest.",
+                labels=["table"],
+            ),
+            doc["malformed"]["counts"],
+        )
         yield from _observed(doc["observations"])
 
 

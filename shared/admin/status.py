@@ -14,7 +14,7 @@ from agentbus.admission.budget import client_budget
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.config import Settings
 from agentbus.db import Database
-from agentbus.queue import reads
+from agentbus.queue import events, malformed, reads
 from agentbus.queue.statements import in_state
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_commands as t
@@ -38,8 +38,12 @@ def snapshot(
     totals: dict[str, int] = {}
     for (status, _), n in counts.items():
         totals[status] = totals.get(status, 0) + n
-    doc, seen = db.read(
-        lambda conn: (_tables(conn, now), observe.observe(conn, now, settings.worker_stale_sec))
+    doc, seen, bad = db.read(
+        lambda conn: (
+            _tables(conn, now),
+            observe.observe(conn, now, settings.worker_stale_sec),
+            {"counts": malformed.counts(conn), "rows": malformed.listed(conn)},
+        )
     )
     cooling = CooldownStore(db, clock=lambda: now, cache_sec=1e-9).details()
     return {
@@ -51,6 +55,7 @@ def snapshot(
         **doc,
         **seen,
         "unserved": observe.unserved(queue, seen["live_workers"]),
+        "malformed": bad,
         "cooldowns": [
             {
                 "model": c["model_id"],
@@ -131,7 +136,7 @@ def _tables(conn: Connection, now: float) -> dict[str, Any]:
                 "heartbeat_age": now - w.heartbeat_at,
                 "current_task": w.current_task,
                 "concurrency": w.concurrency,
-                "running": list(w.running or []),
+                "running": list(w.running) if isinstance(w.running, list) else [],
                 "clock_offset": w.clock_offset or 0.0,
                 "consecutive_failures": w.consecutive_failures,
                 "backoff_until": w.backoff_until,
@@ -155,5 +160,5 @@ def _pause_refusals(conn: Connection, task_ids: list[int]) -> dict[int, dict[str
     out: dict[int, dict[str, Any]] = {}
     for task_id, detail in rows:
         if task_id not in out:
-            out[task_id] = dict((detail or {}).get("refusals") or {})
+            out[task_id] = events.pause_refusals(detail)
     return out

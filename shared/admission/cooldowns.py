@@ -12,7 +12,7 @@ model it has just put in cooldown itself.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -192,6 +192,27 @@ class CooldownStore:
         for key in cleared:
             self._cache.pop(key, None)
         return cleared
+
+    def drop(self, rows: Mapping[str, str], *, by: str) -> list[str]:
+        """Delete cooldown rows that were written so that no reader can use them
+        (``rows``: key -> what is wrong), each with a ``cooldown_cleared`` event."""
+
+        def work(conn: Connection) -> list[str]:
+            now = self.clock()
+            keys = list(rows)
+            gone = conn.execute(
+                sa.delete(mc).where(mc.c.model_id.in_(keys)).returning(mc.c.model_id)
+            ).scalars()
+            dropped = sorted(gone)
+            for key in dropped:
+                detail = {"model": key, "malformed": rows[key]}
+                workspace_events.emit(conn, "cooldown_cleared", now, source=by, detail=detail)
+            return dropped
+
+        dropped = self.db.write(work) if rows else []
+        for key in dropped:
+            self._cache.pop(key, None)
+        return dropped
 
     def purge_expired(self) -> int:
         """Delete cooldowns that have ended; returns how many."""

@@ -120,3 +120,10 @@ def for_settlement(item: Settlement, worker: str | None, now: float) -> dict[str
         claim_token=item.token,
         detail={**detail, **(item.detail or {})} or None,
     )
+
+
+def pause_refusals(detail: Any) -> dict[str, Any]:
+    """The refusals a pause event's detail names, by candidate; {} when it names none
+    (or the detail is not what agentbus writes: a row written by hand)."""
+    refusals = detail.get("refusals") if isinstance(detail, dict) else None
+    return dict(refusals) if isinstance(refusals, dict) else {}

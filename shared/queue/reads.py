@@ -11,16 +11,28 @@ from agentbus.admission import usage
 from agentbus.db import Database
 from agentbus.errors import TaskNotFound
 from agentbus.queue import events
+from agentbus.queue.malformed import task_problems
 from agentbus.queue.tasks import Task
 from agentbus.schema import bus_commands as t
 from agentbus.schema import circuits, route_log, workers
 
 
 def get_task(db: Database, task_id: int) -> Task:
-    row = db.read(lambda conn: conn.execute(sa.select(t).where(t.c.id == task_id)).first())
-    if row is None:
+    found = _flagged(db, sa.select(t).where(t.c.id == task_id))
+    if not found:
         raise TaskNotFound(f"task {task_id} does not exist")
-    return Task.from_row(row._mapping)
+    return found[0]
+
+
+def _flagged(db: Database, query: sa.Select[Any]) -> list[Task]:
+    """The tasks ``query`` reads, each with what makes its row malformed, if anything."""
+
+    def work(conn: sa.Connection) -> list[Task]:
+        rows = conn.execute(query).all()
+        problems = task_problems(conn, [int(r.id) for r in rows])
+        return [Task.from_row(r._mapping, malformed=problems.get(int(r.id))) for r in rows]
+
+    return db.read(work)
 
 
 def task_events(db: Database, task_id: int) -> list[dict[str, Any]]:
@@ -54,8 +66,7 @@ def list_tasks(
         stmt = stmt.where(t.c.status == status)
     if agent is not None:
         stmt = stmt.where(t.c.agent == agent)
-    rows = db.read(lambda conn: conn.execute(stmt).all())
-    return [Task.from_row(r._mapping) for r in rows]
+    return _flagged(db, stmt)
 
 
 def routes(db: Database, *, limit: int = 50, task_id: int | None = None) -> list[dict[str, Any]]:

@@ -193,6 +193,22 @@ MOVE_MANY: dict[str, Update] = {
 }
 
 
+#: Fail a malformed task ``p_id`` still in ``p_source`` (queued, paused or claimed), with
+#: the reason ``p_error``, RETURNING its id.
+FAIL_MALFORMED = (
+    sa.update(t)
+    .where(t.c.id == P_ID, t.c.status == _p("p_source"))
+    .values(
+        status=_state(TRANSITIONS["fail_malformed"][1]),
+        updated_at=P_NOW,
+        result_note=_p("p_error"),
+        last_error=_p("p_error"),
+        lease_until=_NULL,
+        resume_after=_NULL,
+    )
+    .returning(t.c.id)
+)
+
 #: Cancel the tasks among ``p_ids`` that are in ``p_source`` (one of the states a task
 #: may be cancelled from) RETURNING their ids.
 CANCEL = (

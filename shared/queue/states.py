@@ -43,6 +43,9 @@ TRANSITIONS: dict[str, tuple[frozenset[TaskStatus], TaskStatus]] = {
     "rescue_fail": (frozenset({C}), F),  # rescued too often: a poison pill
     "resume": (frozenset({P}), Q),
     "demote": (frozenset({P}), F),
+    # A row written by hand that no worker can run (agentbus.queue.malformed): the
+    # sweeper fails it, whatever state it waits in, so that nothing stays stuck unseen.
+    "fail_malformed": (frozenset({Q, P, C}), F),
     "retry": (frozenset({F, E, X}), Q),  # operator
     # Operator or producer; a claimed task's worker finds its claim gone (its settle
     # and lease renewal match nothing) and abandons the call.

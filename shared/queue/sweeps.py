@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.queue import events, todos
 from agentbus.queue.guarded import GuardedQueue
-from agentbus.queue.statements import POSTPONE, SETTLE, in_state
+from agentbus.queue.statements import FAIL_MALFORMED, POSTPONE, SETTLE, in_state
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.schema import bus_commands as t
 
@@ -219,3 +220,55 @@ class SweepOps(GuardedQueue):
             detail={"why": reason},
             also=extra,
         )
+
+    def fail_malformed(
+        self, rows: Sequence[Mapping[str, Any]], *, by: str = "sweeper"
+    ) -> list[int]:
+        """Queued, paused or claimed -> failed, for tasks whose rows were written so that
+        no worker can run them (``agentbus.queue.malformed.found``: each row's ``key``,
+        ``status``, ``agent`` and ``problem``), filing one ops_todo per task that moved.
+        A claimed task's worker finds its claim gone, as after a cancel."""
+        source, target = TRANSITIONS["fail_malformed"]
+
+        def work(conn: Connection) -> list[int]:
+            now = self.clock()
+            moved, moves, filed = [], [], []
+            for row in rows:
+                why = f"malformed: {row['problem']}"
+                params = {
+                    "p_id": row["key"],
+                    "p_source": row["status"],
+                    "p_now": now,
+                    "p_error": why,
+                }
+                if (
+                    row["status"] not in source
+                    or conn.execute(FAIL_MALFORMED, params).first() is None
+                ):
+                    continue  # moved meanwhile: the next pass looks again
+                moved.append(int(row["key"]))
+                moves.append(
+                    events.event(
+                        int(row["key"]),
+                        row["status"],
+                        target.value,
+                        now,
+                        reason="malformed",
+                        worker=by,
+                        detail={"why": why},
+                    )
+                )
+                filed.append(
+                    {
+                        "kind": "malformed",
+                        "task_id": row["key"],
+                        "agent": row["agent"],
+                        "why": why,
+                        "created_at": now,
+                    }
+                )
+            events.record(conn, moves)
+            todos.add(conn, filed)
+            return moved
+
+        return self.db.write(work) if rows else []

@@ -252,18 +252,25 @@ class Task:
     problem: str | None = None  # why this row cannot be run (set by from_row)
 
     @classmethod
-    def from_row(cls, row: Mapping[Any, Any]) -> Task:
+    def from_row(cls, row: Mapping[Any, Any], *, malformed: str | None = None) -> Task:
+        """The task a row holds; ``malformed``: what ``agentbus.queue.malformed`` found
+        wrong with the row as stored (else its problem is judged from the values read)."""
         models = row["models"]
         payload = row["payload"]
         detail = row["result_detail"]
         values = {name: row[name] for name in _STORED_AS_IS}
+        status = TaskStatus(row["status"])
+        token = row["claim_token"]
+        numbers = _numbers_problem(values, status, token)  # and leaves no bad number in
         values.update(
-            problem=_row_problem(payload, models),
+            problem=(f"malformed: {malformed}" if malformed else None)
+            or _row_problem(payload, models)
+            or numbers,
             id=int(row["id"]),
-            status=TaskStatus(row["status"]),
+            status=status,
             payload=payload if isinstance(payload, dict) else {},
             models=tuple(models) if isinstance(models, list) else None,
-            claim_token=int(row["claim_token"]),
+            claim_token=token if type(token) is int else 0,
             result_detail=detail if isinstance(detail, dict) else None,
         )
         # Every field set at once: a frozen dataclass's __init__ sets each of its 32
@@ -291,7 +298,7 @@ class Task:
         return _utc(self.resume_after)
 
     def as_dict(self) -> dict[str, Any]:
-        out = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "problem"}
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
         out["status"] = self.status.value
         out["models"] = list(self.models) if self.models is not None else None
         return out
@@ -307,6 +314,68 @@ _STORED_AS_IS = tuple(
 
 def _utc(epoch: float | None) -> datetime | None:
     return None if epoch is None else datetime.fromtimestamp(epoch, UTC)
+
+
+#: A task's whole-number columns (never NULL) and its times (NULL where unset).
+_COUNTS = (
+    "priority",
+    "attempts",
+    "max_attempts",
+    "pause_count",
+    "resume_count",
+    "reentry_count",
+    "rescue_count",
+)
+_TIMES = ("lease_until", "resume_after", "first_paused_at", "paused_at", "created_at", "updated_at")
+#: The time a task in a state cannot do without.
+NEEDED = {
+    TaskStatus.QUEUED: "run_after",
+    TaskStatus.PAUSED: "resume_after",
+    TaskStatus.CLAIMED: "lease_until",
+}
+
+
+def _numbers_problem(values: dict[str, Any], status: TaskStatus, token: Any) -> str | None:
+    """What makes a row's numbers unusable (a row written by hand: SQLite keeps text in
+    a number's column). The schema's types read such a value as a marked 0 (``UnreadInt``,
+    ``UnreadFloat``: not of type ``int`` or ``float``) or, where NULL is allowed, None;
+    the driver's own rows hold it as stored. It becomes a plain 0 or None in ``values``,
+    and the first problem is returned, as ``malformed: …``."""
+    problems = []
+    if type(token) is not int:
+        problems.append(_not_a_number("claim_token", token, whole=True))
+    for name in _COUNTS:
+        value = values[name]
+        if type(value) is not int:
+            problems.append(_not_a_number(name, value, whole=True))
+            values[name] = 0
+    run_after = values["run_after"]
+    if type(run_after) is not float or not math.isfinite(run_after):
+        if type(run_after) is int:
+            values["run_after"] = float(run_after)
+        else:
+            problems.append(_not_a_number("run_after", run_after))
+            values["run_after"] = 0.0
+    for name in _TIMES:
+        value = values[name]
+        if value is not None and (type(value) is not float or not math.isfinite(value)):
+            if type(value) is int:
+                values[name] = float(value)
+            else:
+                problems.append(_not_a_number(name, value))
+                values[name] = None
+    needed = NEEDED.get(status)
+    if needed is not None and values[needed] is None and not problems:
+        problems.append(f"{needed} is missing or not a finite number")
+    return f"malformed: {problems[0]}" if problems else None
+
+
+def _not_a_number(name: str, value: Any, *, whole: bool = False) -> str:
+    kind = "a whole number" if whole else "a finite number"
+    if value is None:  # NULL, or read as None by the schema's types
+        return f"{name} is missing or not {kind}"
+    shown = repr(getattr(value, "stored", value))  # the schema's types keep what was stored
+    return f"{name} is not {kind} ({shown[:40]}{'…' if len(shown) > 40 else ''})"
 
 
 def _row_problem(payload: Any, models: Any) -> str | None:

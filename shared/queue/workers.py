@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -83,6 +83,13 @@ class WorkerRegistry:
 
     def remove(self) -> None:
         self.db.write(lambda conn: conn.execute(sa.delete(w).where(w.c.id == self.id)))
+
+
+def drop(db: Database, worker_ids: Sequence[str]) -> int:
+    """Delete these workers' rows (written so that no reader can use them); a live
+    worker registers again at its next heartbeat."""
+    query = sa.delete(w).where(w.c.id.in_(list(worker_ids)))
+    return int(db.write(lambda conn: conn.execute(query).rowcount)) if worker_ids else 0
 
 
 def prune_stale(db: Database, older_than: float) -> int:
