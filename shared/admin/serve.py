@@ -17,6 +17,7 @@ import hmac
 import ipaddress
 import json
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -298,7 +299,7 @@ def make_server(
                         self._send(200, "text/plain", b"ok\n")
                     else:
                         self._send(503, "text/plain", f"unavailable: {why}\n".encode())
-                elif path.startswith("/tasks/") and path[7:].isdigit():
+                elif _TASK.fullmatch(path):
                     found = task(int(path[7:]))
                     if found is None:
                         self._send(404, "text/plain", b"no such task\n")
@@ -331,7 +332,7 @@ def make_server(
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
                 self._send(401, "text/plain", b"an operator token is needed\n")
                 return
-            if len(parts) != 3 or parts[0] != "tasks" or not parts[1].isdigit():
+            if len(parts) != 3 or parts[0] != "tasks" or not _ID.fullmatch(parts[1]):
                 self._send(404, "text/plain", b"not found\n")
                 return
             if parts[2] not in ACTIONS:
@@ -344,6 +345,13 @@ def make_server(
                 self._send(409, "text/plain", f"{message}\n".encode())
                 return
             self._send(200, "application/json", json.dumps({"moved": moved}).encode())
+
+        def send_error(
+            self, code: int, message: str | None = None, explain: str | None = None
+        ) -> None:
+            # http.server answers a method it has no do_ for with 501, an HTTP/2 request
+            # line with 505: the client's doing, so a 4xx (a monitor reads 5xx as ours).
+            super().send_error(_CLIENT_ERRORS.get(code, code), message, explain)
 
         def do_PUT(self) -> None:
             self.head = False
@@ -365,6 +373,13 @@ def make_server(
 
     Handler.timeout = timeout  # the socket's: a silent client is dropped
     return BoundedServer((host, port), Handler, max_connections)
+
+
+#: Task ids in a path: ASCII digits, no more than a 64-bit id holds.
+_ID = re.compile(r"[0-9]{1,18}")
+_TASK = re.compile(r"/tasks/[0-9]{1,18}")
+#: What http.server says with a 5xx that is the client's doing, and the 4xx it means.
+_CLIENT_ERRORS = {501: 405, 505: 400}
 
 
 def _host_allowed(header: str | None, hosts: set[str]) -> bool:
