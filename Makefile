@@ -20,4 +20,4 @@ bench:
 
 # The fuzz tests with many more examples, from fresh seeds (CI runs a short, fixed set).
 fuzz:
-	AGENTBUS_FUZZ=long .venv/bin/pytest -n 2 tests/test_fuzz.py tests/test_fuzz_api.py
+	AGENTBUS_FUZZ=long .venv/bin/pytest -n 2 tests/test_fuzz*.py
