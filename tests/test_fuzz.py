@@ -20,6 +20,7 @@ from agentbus.admin.busctl import busctl
 from agentbus.admission.admission import Admission
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.catalog import Catalog, parse_catalog
+from agentbus.catalog.parse import _KEYS, SECTIONS
 from agentbus.config import Config, Settings, load_config
 from agentbus.db import Database
 from agentbus.errors import ConfigError
@@ -237,3 +238,63 @@ def test_a_password_in_the_config_never_reaches_the_output(
     assert done.returncode == 3  # the database is away: retry later
     assert "cannot connect to postgresql+psycopg://agent:***@127.0.0.1:1/bus" in done.stderr
     assert secret not in done.stdout + done.stderr
+
+
+# Names the catalog's tables refer to one another by: a small set, so that references
+# often resolve (and sometimes loop: roles falling back on each other).
+names = st.sampled_from(["a", "b", "sim", "sim/a", "gpt", "x y", ""])
+loose = json_values | st.sampled_from([-1, 0, 10**12, 1.5, float("inf"), "", [], {}])
+PROVIDER_KEYS = sorted({k for keys in _KEYS.values() for k in keys} | {"bogus"})
+TABLE_KEYS = {
+    "models": ["provider", "name", "bulkhead", "input_cost_per_1k", "output_cost_per_1k", "params"],
+    "roles": ["models", "candidates", "fallback"],
+    "agents": ["models", "role", "rate", "rate_window_sec"],
+}
+
+
+def entries(keys: list[str]) -> st.SearchStrategy[dict[str, Any]]:
+    """A table's entry: its own keys (and an unknown one now and then), each given a
+    plausible name, a list of names or anything at all."""
+    value = names | st.lists(names, max_size=3) | loose
+    return st.dictionaries(st.sampled_from([*keys, "bogus"]), value, max_size=4)
+
+
+@st.composite
+def catalog_docs(draw: st.DrawFn) -> dict[str, Any]:
+    doc: dict[str, Any] = {}
+    if draw(st.booleans()):
+        kinds = st.sampled_from(sorted(_KEYS)) | loose
+        doc["providers"] = draw(
+            st.dictionaries(
+                names,
+                entries(PROVIDER_KEYS).flatmap(lambda e: kinds.map(lambda k: {**e, "kind": k})),
+                max_size=2,
+            )
+        )
+    for table, keys in TABLE_KEYS.items():
+        if draw(st.booleans()):
+            doc[table] = draw(st.dictionaries(names, entries(keys) | loose, max_size=3))
+    if draw(st.booleans()):
+        doc["bulkheads"] = draw(st.dictionaries(names, loose, max_size=2))
+    if draw(st.booleans()):
+        doc["routing"] = draw(st.dictionaries(st.sampled_from(["default_role", "x"]), names))
+    if draw(st.booleans()):
+        keys = ["client_rate", "default_concurrency", "circuit_open_sec", "slot_wait_ms"]
+        mcp = draw(st.dictionaries(st.sampled_from([*keys, "client_header", "tools"]), loose))
+        doc["mcp"] = mcp
+    if draw(st.integers(0, 4)) == 0:
+        doc[draw(st.sampled_from(SECTIONS))] = draw(loose)  # a table that is not one
+    return doc
+
+
+@FUZZ
+@given(catalog_docs())
+def test_fuzzed_catalogs_load_or_name_the_table(doc: dict[str, Any]) -> None:
+    """The catalog's tables with wrong types, unknown keys, dangling references, loops
+    and numbers out of range: a catalog, or a ConfigError of one line naming the table
+    (``load_config`` puts the file's path before it)."""
+    try:
+        parse_catalog(doc)
+    except ConfigError as exc:
+        assert exc.message and "\n" not in exc.message
+        assert exc.message.startswith("["), exc.message  # [providers.a], [mcp], …

@@ -57,12 +57,10 @@ def parse_catalog(doc: Mapping[str, Any]) -> Catalog:
             where,
             {"provider", "name", "bulkhead", "input_cost_per_1k", "output_cost_per_1k", "params"},
         )
-        provider = body.get("provider")
-        if provider not in providers:
-            raise ConfigError(f"{where}: unknown provider {provider!r}")
+        provider = _known(body.get("provider"), providers, f"{where}: unknown provider")
         bulkhead = body.get("bulkhead")
-        if bulkhead is not None and bulkhead not in bulkheads:
-            raise ConfigError(f"{where}: unknown bulkhead {bulkhead!r} (not in [bulkheads])")
+        if bulkhead is not None:
+            _known(bulkhead, bulkheads, f"{where}: unknown bulkhead", " (not in [bulkheads])")
         models[model_id] = ModelConfig(
             model_id,
             provider,
@@ -128,9 +126,9 @@ def _mcp(body: Any, bulkheads: Mapping[str, int]) -> McpConfig:
         if ("concurrency" in entry) == ("bulkhead" in entry):
             raise ConfigError(f"{where}: give either concurrency or bulkhead")
         if "bulkhead" in entry:
-            pool = entry["bulkhead"]
-            if pool not in bulkheads:
-                raise ConfigError(f"{where}: unknown bulkhead {pool!r} (not in [bulkheads])")
+            pool = _known(
+                entry["bulkhead"], bulkheads, f"{where}: unknown bulkhead", " (not in [bulkheads])"
+            )
             tools[name] = ToolConfig(name, bulkhead=pool)
         else:
             tools[name] = ToolConfig(name, _count(entry["concurrency"], f"{where} concurrency"))
@@ -194,12 +192,15 @@ def _agent(
         raise ConfigError(f"{where}: give either role or models")
     rate = _count(body["rate"], f"{where} rate") if "rate" in body else None
     window = body.get("rate_window_sec", 1.0)
-    if isinstance(window, bool) or not isinstance(window, (int, float)) or not window > 0:
+    if (
+        isinstance(window, bool)
+        or not isinstance(window, (int, float))
+        or not 0 < window < math.inf
+    ):
         raise ConfigError(f"{where}: rate_window_sec must be a positive number")
     if "role" in body:
-        if body["role"] not in roles:
-            raise ConfigError(f"{where}: unknown role {body['role']!r}")
-        return AgentConfig(name, role=body["role"], rate=rate, rate_window_sec=float(window))
+        role = _known(body["role"], roles, f"{where}: unknown role")
+        return AgentConfig(name, role=role, rate=rate, rate_window_sec=float(window))
     chain = body.get("models")
     if not isinstance(chain, list) or not chain or not all(isinstance(m, str) for m in chain):
         raise ConfigError(f"{where}: models must be a non-empty list of model ids")
@@ -348,6 +349,13 @@ def _only(body: Mapping[str, Any], where: str, allowed: set[str]) -> None:
     extra = sorted(set(body) - allowed)
     if extra:
         raise ConfigError(f"{where}: unknown key {extra[0]!r}")
+
+
+def _known(name: Any, known: Mapping[str, Any], unknown: str, hint: str = "") -> str:
+    """``name`` when it names one of ``known`` (``unknown`` and ``hint`` say it does not)."""
+    if not isinstance(name, str) or name not in known:
+        raise ConfigError(f"{unknown} {name!r}{hint}")
+    return name
 
 
 def _str(body: Mapping[str, Any], key: str, where: str, default: str | None = None) -> str:
