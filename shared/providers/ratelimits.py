@@ -41,23 +41,42 @@ _DURATION = re.compile(
 
 
 def retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
-    """Seconds the provider asks us to wait (``retry-after-ms``, else ``Retry-After``)."""
+    """Seconds the provider asks us to wait (``retry-after-ms``, else ``Retry-After``);
+    None when neither says, or says what is no wait: a value that does not parse, or
+    one further than ``MAX_RESET_SEC``."""
     if "retry-after-ms" in headers:
+        raw_ms = headers["retry-after-ms"]
         try:
-            return max(0.0, float(headers["retry-after-ms"]) / 1000)
+            wait = _wait(float(raw_ms) / 1000)
         except ValueError:
-            _ignored("retry-after-ms", headers["retry-after-ms"])
+            wait = None
+        if wait is not None:
+            return wait
+        _ignored("retry-after-ms", raw_ms)
     raw = headers.get("retry-after")
     if raw is None:
         return None
+    wait = None
     try:
-        return max(0.0, float(raw))
+        wait = _wait(float(raw))
     except ValueError:
-        parsed = email.utils.parsedate_to_datetime(raw) if raw.strip() else None
-        if parsed is None:
-            _ignored("retry-after", raw)
-            return None
-        return max(0.0, parsed.timestamp() - (time.time() if now is None else now))
+        try:
+            parsed = email.utils.parsedate_to_datetime(raw)
+        except (TypeError, ValueError, IndexError, OverflowError):
+            parsed = None
+        if parsed is not None and parsed.tzinfo is not None:
+            wait = _wait(parsed.timestamp() - (time.time() if now is None else now))
+    if wait is None:
+        _ignored("retry-after", raw)
+    return wait
+
+
+def _wait(seconds: float) -> float | None:
+    """A wait asked for: 0 or more seconds, and no further than ``MAX_RESET_SEC`` (a wait
+    beyond it, NaN or an infinity is taken for a malformed value)."""
+    if not seconds <= MAX_RESET_SEC:
+        return None
+    return max(0.0, seconds)
 
 
 def exhausted_for(headers: Mapping[str, str], now: float | None = None) -> float | None:
