@@ -106,7 +106,12 @@ def test_a_pooler_that_makes_queries_wait_too_long_is_survived_mid_run(
     assert "Traceback" not in proc.text()
     assert [(queue.get(i).status, queue.get(i).attempts) for i in ids] == [("done", 1)] * 3
     (said,) = retries_logged(proc)
-    assert "query_wait_timeout" in str(said["error"])
+    # PgBouncer sends query_wait_timeout and closes the connection; a client busy
+    # elsewhere (a loaded machine) may find it closed before it reads the message.
+    assert any(
+        why in str(said["error"])
+        for why in ("query_wait_timeout", "server closed the connection unexpectedly")
+    ), said
     assert len(back_logged(proc)) == 1
 
 
@@ -135,7 +140,12 @@ def test_a_sweeper_kept_waiting_mid_pass_says_so_once_and_sweeps_on(
         sweeper.signal(signal.SIGTERM)
         assert sweeper.wait(30) == 0
     (said,) = retries_logged(sweeper)
-    assert "query_wait_timeout" in str(said["error"])
+    # PgBouncer sends query_wait_timeout and closes the connection; a client busy
+    # elsewhere (a loaded machine) may find it closed before it reads the message.
+    assert any(
+        why in str(said["error"])
+        for why in ("query_wait_timeout", "server closed the connection unexpectedly")
+    ), said
     assert len(back_logged(sweeper)) == 1
     text = sweeper.text()
     assert "skipped" not in text and "sweep_job_failed" not in text and "Traceback" not in text
