@@ -168,6 +168,14 @@ POSTPONE = (
 )
 
 _IDS: Any = sa.bindparam("p_ids", expanding=True)
+#: What the sweeper's moves to failed (a demotion, a malformed row) write: the reason.
+_SWEPT_TO_FAILED = {
+    "status": _state(TRANSITIONS["demote"][1]),
+    "updated_at": P_NOW,
+    "result_note": _p("p_error"),
+    "last_error": _p("p_error"),
+    "resume_after": _NULL,
+}
 
 #: action -> UPDATE … WHERE id IN (…) AND status = source RETURNING id (sweeper moves).
 MOVE_MANY: dict[str, Update] = {
@@ -182,13 +190,7 @@ MOVE_MANY: dict[str, Update] = {
     .returning(t.c.id),
     "demote": sa.update(t)
     .where(t.c.id.in_(_IDS), keyed_in_state(_source("demote")))
-    .values(
-        status=_state(TRANSITIONS["demote"][1]),
-        updated_at=P_NOW,
-        result_note=_p("p_error"),
-        last_error=_p("p_error"),
-        resume_after=_NULL,
-    )
+    .values(**_SWEPT_TO_FAILED)
     .returning(t.c.id),
 }
 
@@ -198,14 +200,7 @@ MOVE_MANY: dict[str, Update] = {
 FAIL_MALFORMED = (
     sa.update(t)
     .where(t.c.id == P_ID, t.c.status == _p("p_source"))
-    .values(
-        status=_state(TRANSITIONS["fail_malformed"][1]),
-        updated_at=P_NOW,
-        result_note=_p("p_error"),
-        last_error=_p("p_error"),
-        lease_until=_NULL,
-        resume_after=_NULL,
-    )
+    .values(**_SWEPT_TO_FAILED, lease_until=_NULL)
     .returning(t.c.id)
 )
 
