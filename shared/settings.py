@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -244,25 +245,38 @@ class Settings:
         env: Mapping[str, str],
     ) -> Settings:
         values: dict[str, Any] = {}
+        origins: dict[str, str] = {}  # where each value was given: said with its error
         if path is not None:
             tables = sorted(k for k, v in doc.items() if isinstance(v, dict) and k not in SECTIONS)
             if tables:
                 raise ConfigError(f"unknown section [{tables[0]}] in {path}")
             values.update(_scalars(doc))
+            origins.update((name, str(path)) for name in values)
         known = {f.name: f for f in dataclasses.fields(cls)}
         for name in known:
             raw = env.get(ENV_PREFIX + name.upper())
             if raw is not None and raw != "":
-                values[name] = raw
+                values[name], origins[name] = raw, f"${ENV_PREFIX}{name.upper()}"
         for name, value in (overrides or {}).items():
             if value is not None:
-                values[name] = value
+                values[name], origins[name] = value, "the command line"
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise ConfigError(f"unknown setting {unknown[0]!r} in {path}")
-        converted = {name: convert(name, known[name].type, v) for name, v in values.items()}
+        converted = {}
+        for name, value in values.items():
+            try:
+                converted[name] = convert(name, known[name].type, value)
+            except ConfigError as exc:
+                raise ConfigError(f"{origins[name]}: {exc.message}") from None
         settings = cls(**converted)
-        settings.validate()
+        try:
+            settings.validate()
+        except ConfigError as exc:  # said with where the first setting it names was given
+            named = [n for n in origins if re.search(rf"\b{n}\b", exc.message)]
+            if not named:
+                raise
+            raise ConfigError(f"{origins[named[0]]}: {exc.message}") from None
         return settings
 
     def validate(self) -> None:

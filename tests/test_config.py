@@ -42,6 +42,24 @@ def test_bad_values(env: dict[str, str], message: str) -> None:
         load_settings(environ=env)
 
 
+@pytest.mark.parametrize(
+    ("line", "env", "origin"),
+    [
+        ('lease_sec = "soon"', {}, "FILE: setting lease_sec must be float"),
+        ("lease_sec = -5", {}, "FILE: setting lease_sec must be positive"),
+        ("lease_sec = 5", {"AGENTBUS_LEASE_SEC": "0"}, "$AGENTBUS_LEASE_SEC: setting lease_sec"),
+    ],
+)
+def test_a_bad_value_names_where_it_was_given(
+    tmp_path: Path, line: str, env: dict[str, str], origin: str
+) -> None:
+    cfg = tmp_path / "agentbus.toml"
+    cfg.write_text(line + "\n")
+    with pytest.raises(ConfigError) as refused:
+        load_settings(cfg, environ=env)
+    assert refused.value.message.startswith(origin.replace("FILE", str(cfg)))
+
+
 def test_every_setting_is_documented() -> None:
     docs = Settings.fields_doc()
     assert docs and all(text.strip() for text in docs.values())
