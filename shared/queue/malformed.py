@@ -22,10 +22,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from agentbus.column_types import Integer, LenientJSON, Real, Text
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import NEEDED
-from agentbus.schema import Integer, LenientJSON, Real, Text, model_cooldown, workers
 from agentbus.schema import bus_commands as t
+from agentbus.schema import model_cooldown, workers
 
 #: The task states whose rows can hold work up (and the sweeper fails when malformed).
 ACTIVE = (TaskStatus.QUEUED, TaskStatus.PAUSED, TaskStatus.CLAIMED)

@@ -14,10 +14,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agentbus.catalog.model import NAME_RE
+from agentbus.column_types import InvalidJSON
 from agentbus.errors import InvalidTask
 from agentbus.providers import chat
 from agentbus.queue.states import TaskStatus
-from agentbus.schema import InvalidJSON
 
 MAX_TEXT = 1_000_000
 MAX_DELAY_SEC = 10 * 366 * 86400.0  # ten years: anything later is a mistake
