@@ -42,7 +42,7 @@ def snapshot(
         lambda conn: (
             _tables(conn, now),
             observe.observe(conn, now, settings.worker_stale_sec),
-            {"counts": malformed.counts(conn), "rows": malformed.listed(conn)},
+            malformed.summary(conn),
         )
     )
     cooling = CooldownStore(db, clock=lambda: now, cache_sec=1e-9).details()

@@ -132,6 +132,13 @@ def counts(conn: Connection) -> dict[str, int]:
     return out
 
 
+def summary(conn: Connection) -> dict[str, Any]:
+    """The counts per table, and the first rows when there are any (a workspace with
+    none, the usual one, costs one count per table)."""
+    counted = counts(conn)
+    return {"counts": counted, "rows": listed(conn) if any(counted.values()) else []}
+
+
 def listed(conn: Connection, limit: int = SHOWN) -> list[dict[str, Any]]:
     """The first malformed rows of every table looked at, at most ``limit`` in all."""
     rows: list[dict[str, Any]] = []
