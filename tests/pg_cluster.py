@@ -20,20 +20,38 @@ from tests.conftest import IN_CI
 from tests.support import free_port
 
 
+class ClusterUnavailable(RuntimeError):
+    """This machine lacks a tool a cluster needs (``initdb``, ``openssl``)."""
+
+
 @contextlib.contextmanager
 def throwaway_cluster(
     *, tls: bool = False, settings: dict[str, object] | None = None
 ) -> Iterator[tuple[str, Callable[[], None]]]:
     """A migrated database ``bus`` on a cluster of its own: its URL, and a way to restart
     the cluster. ``tls``: the server offers TLS (a self-signed certificate);
-    ``settings``: the server's own (``max_connections``…)."""
+    ``settings``: the server's own (``max_connections``…). Skipped where a tool is
+    missing (failed under CI)."""
+    try:
+        with cluster(tls=tls, settings=settings) as found:
+            yield found
+    except ClusterUnavailable as e:
+        if IN_CI:
+            pytest.fail(f"{e} needed under CI", pytrace=False)
+        pytest.skip(f"no {e} on this machine")
+
+
+@contextlib.contextmanager
+def cluster(
+    *, tls: bool = False, settings: dict[str, object] | None = None
+) -> Iterator[tuple[str, Callable[[], None]]]:
+    """``throwaway_cluster`` outside a test (scripts/fleet.py): ``ClusterUnavailable``
+    where a tool is missing."""
     bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
     needed = {"initdb": bool(bins), "openssl": not tls or shutil.which("openssl") is not None}
     missing = [tool for tool, found in needed.items() if not found]
     if missing:
-        if IN_CI:
-            pytest.fail(f"{' and '.join(missing)} needed under CI", pytrace=False)
-        pytest.skip(f"no {' or '.join(missing)} on this machine")
+        raise ClusterUnavailable(" and ".join(missing))
     bindir = bins[-1].parent
     root = Path(tempfile.mkdtemp(prefix="agentbus-pg-"))
     run_as: list[str] = []
