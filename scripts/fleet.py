@@ -296,7 +296,6 @@ def server_seconds(postmaster: int) -> float:
 
 
 def run(args: argparse.Namespace) -> bool:
-    rows: list[tuple[str, str]] = []
     workdir = Path(tempfile.mkdtemp(prefix="agentbus-fleet-"))
     journal = workdir / "journal.txt"
     config = workdir / "agentbus.toml"
@@ -340,11 +339,9 @@ def run(args: argparse.Namespace) -> bool:
             if fleet.died() or time.monotonic() > deadline:
                 raise SystemExit(f"the fleet did not start: {fleet.died() or 'timed out'}")
             time.sleep(0.5)
-        rows.append(
-            (
-                f"{args.workers} workers + 2 sweepers up, through PgBouncer",
-                f"{time.monotonic() - began:.1f} s",
-            )
+        say(
+            f"{args.workers} workers + 2 sweepers up, through PgBouncer",
+            f"{time.monotonic() - began:.1f} s",
         )
 
         # -- idle --
@@ -359,25 +356,19 @@ def run(args: argparse.Namespace) -> bool:
             time.sleep(0.5)
         idle = time.monotonic() - t0
         server = (server_seconds(postmaster) - server0) / idle
-        rows.append(
-            (
-                f"idle fleet over {idle:.0f} s: the server's CPU (target at most 5 % of a core)",
-                f"{server * 100:.1f} % of a core ({'met' if server <= 0.05 else 'NOT met'})",
-            )
+        say(
+            f"idle fleet over {idle:.0f} s: the server's CPU (target at most 5 % of a core)",
+            f"{server * 100:.1f} % of a core ({'met' if server <= 0.05 else 'NOT met'})",
         )
         bouncer_cpu = (cpu_seconds(bouncer.proc.pid) - bouncer0) / idle  # type: ignore[union-attr]
         workers_cpu = (sum(cpu_seconds(pid) for pid in workers) - workers0) / idle
-        rows.append(
-            (
-                "idle fleet: PgBouncer's CPU; the workers' own, all of them",
-                f"{bouncer_cpu * 100:.1f} % / {workers_cpu * 100:.1f} % of a core",
-            )
+        say(
+            "idle fleet: PgBouncer's CPU; the workers' own, all of them",
+            f"{bouncer_cpu * 100:.1f} % / {workers_cpu * 100:.1f} % of a core",
         )
-        rows.append(
-            (
-                "idle fleet: transactions a second at the server; its connections",
-                f"{(xacts(monitor) - xacts0) / idle:,.1f}; at most {peak_idle}",
-            )
+        say(
+            "idle fleet: transactions a second at the server; its connections",
+            f"{(xacts(monitor) - xacts0) / idle:,.1f}; at most {peak_idle}",
         )
 
         # -- the work --
@@ -413,32 +404,24 @@ def run(args: argparse.Namespace) -> bool:
         elapsed = time.monotonic() - t0
         copy_admissions(monitor, admissions)
         enqueued_in = enqueued_in or elapsed
-        rows.append(
-            (
-                f"{args.tasks:,} tasks, calls of 0.1-2 s, {args.producers} producers: enqueued in",
-                f"{enqueued_in:.1f} s ({args.tasks / enqueued_in:,.0f} tasks/s)",
-            )
+        say(
+            f"{args.tasks:,} tasks, calls of 0.1-2 s, {args.producers} producers: enqueued in",
+            f"{enqueued_in:.1f} s ({args.tasks / enqueued_in:,.0f} tasks/s)",
         )
         in_flight = args.providers * args.concurrency / 1.05  # a call lasts 1.05 s on average
         per_minute = args.providers * args.accounts * args.rpm / WINDOW
-        rows.append(
-            (
-                "throughput, first enqueue to last done (the slots allow; the rpm, past a minute)",
-                f"{done / elapsed:,.1f} tasks/s in {elapsed:.0f} s "
-                f"({in_flight:,.1f}; {per_minute:,.1f} tasks/s)",
-            )
+        say(
+            "throughput, first enqueue to last done (the slots allow; the rpm, past a minute)",
+            f"{done / elapsed:,.1f} tasks/s in {elapsed:.0f} s "
+            f"({in_flight:,.1f}; {per_minute:,.1f} tasks/s)",
         )
-        rows.append(
-            (
-                f"server connections at most (max_connections {args.max_connections}, "
-                f"PgBouncer pool {args.pool_size})",
-                f"{max(peak, peak_idle)}",
-            )
+        say(
+            f"server connections at most (max_connections {args.max_connections}, "
+            f"PgBouncer pool {args.pool_size})",
+            f"{max(peak, peak_idle)}",
         )
         pauses = scalar(monitor, "SELECT count(*) FROM task_events WHERE to_status = 'paused'")
-        rows.append(
-            ("pauses (every model refused: limits full), resumed by the sweepers", f"{pauses:,}")
-        )
+        say("pauses (every model refused: limits full), resumed by the sweepers", f"{pauses:,}")
 
         fleet.stop("worker")
         fleet.stop("sweeper")
@@ -472,7 +455,9 @@ def run(args: argparse.Namespace) -> bool:
             + (f" ({(died + tracebacks)[:5]})" if died or tracebacks else ""),
             not died and not tracebacks,
         )
-        print_rows(rows, verdict)
+        for what, figure, ok in verdict.lines:
+            say(what, f"{figure}  [{'ok' if ok else 'FAILED'}]")
+        say("fleet", "PASS" if verdict.ok else "FAIL")
         if verdict.ok:
             import shutil
 
@@ -525,13 +510,9 @@ def copy_admissions(
         into[int(row_id)] = (str(provider), str(account), float(at))
 
 
-def print_rows(rows: list[tuple[str, str]], verdict: Verdict) -> None:
-    width = max(len(what) for what, *_ in [*rows, *verdict.lines])
-    for what, figure in rows:
-        print(f"{what:<{width}}  {figure}")
-    for what, figure, ok in verdict.lines:
-        print(f"{what:<{width}}  {figure}  [{'ok' if ok else 'FAILED'}]")
-    print(f"{'fleet':<{width}}  {'PASS' if verdict.ok else 'FAIL'}")
+def say(what: str, figure: str) -> None:
+    """One figure, printed at once (a large run takes a while)."""
+    print(f"{what:<84}  {figure}", flush=True)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -559,6 +540,9 @@ def main(argv: list[str]) -> int:
         return 0
     args = parser().parse_args(argv)
     args.agents = min(args.agents, args.workers)  # every agent has a worker
+    # Stopped (``timeout``, Ctrl-C), the run still stops its processes, PgBouncer and
+    # the cluster on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return 0 if run(args) else 1
 
 

@@ -19,7 +19,7 @@ from agentbus.queue.settle_and_claim import ack_and_claim_postgres
 from agentbus.queue.statements import (
     COMPLETE_MANY_POSTGRES,
     HEARTBEAT,
-    POSTPONE,
+    POSTPONE_POSTGRES,
     SETTLE,
     claim_statement,
 )
@@ -103,7 +103,7 @@ def test_a_task_found_by_its_key_is_read_by_its_key(queue: TaskQueue, name: str)
         "complete_many": (COMPLETE_MANY_POSTGRES, {**many, "p_details": [None], "p_now": 1.0}),
         "release": (SETTLE["release"], one),
         "heartbeat": (HEARTBEAT, one),
-        "postpone": (POSTPONE, {**one, "p_resume_after": 2.0, "p_reason": "r"}),
+        "postpone": (POSTPONE_POSTGRES, {"p_ids": [1], "p_resume_after": 2.0, "p_reason": "r"}),
         "steady": (ack_and_claim_postgres(single=True, limit=1), {**steady, **one, **done}),
         "steady_many": (ack_and_claim_postgres(limit=10), {**steady, **many, "p_details": [None]}),
     }[name]

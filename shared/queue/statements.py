@@ -161,13 +161,32 @@ HEARTBEAT = (
     .values(lease_until=P_LEASE)
 )
 
-POSTPONE = (
-    sa.update(t)
-    .where(t.c.id == P_ID, keyed_in_state(TaskStatus.PAUSED))
-    .values(resume_after=_p("p_resume_after", sa.Float), pause_reason=_p("p_reason"))
-)
-
 _IDS: Any = sa.bindparam("p_ids", expanding=True)
+_ID_ARRAY: Any = sa.bindparam("p_ids", type_=sa.ARRAY(sa.BigInteger))
+
+
+def _postpone(ids: sa.ColumnElement[bool]) -> Update:
+    return (
+        sa.update(t)
+        .where(ids, keyed_in_state(TaskStatus.PAUSED))
+        .values(resume_after=_p("p_resume_after", sa.Float), pause_reason=_p("p_reason"))
+        .returning(t.c.id)
+    )
+
+
+#: Move the resume time of the tasks among ``p_ids`` still paused, RETURNING their ids.
+POSTPONE = _postpone(t.c.id.in_(_IDS))
+#: PostgreSQL: ``POSTPONE`` over an array of ids (one statement the server plans once).
+POSTPONE_POSTGRES = _postpone(t.c.id == sa.any_(_ID_ARRAY))
+#: PostgreSQL: lock the tasks among ``p_ids`` still paused, in the order of their ids,
+#: passing over those another transaction holds (another sweeper moving them): what a
+#: postponement then moves waits on no one, and two sweepers never deadlock.
+LOCK_PAUSED_POSTGRES = (
+    sa.select(t.c.id)
+    .where(t.c.id == sa.any_(_ID_ARRAY), keyed_in_state(TaskStatus.PAUSED))
+    .order_by(t.c.id)
+    .with_for_update(skip_locked=True)
+)
 #: What the sweeper's moves to failed (a demotion, a malformed row) write: the reason.
 _SWEPT_TO_FAILED = {
     "status": _state(TRANSITIONS["demote"][1]),

@@ -6,6 +6,7 @@ once never apply one twice: the second one's write matches nothing.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,14 @@ from sqlalchemy.engine import Connection
 
 from agentbus.queue import events, todos
 from agentbus.queue.guarded import GuardedQueue
-from agentbus.queue.statements import FAIL_MALFORMED, POSTPONE, SETTLE, in_state
+from agentbus.queue.statements import (
+    FAIL_MALFORMED,
+    LOCK_PAUSED_POSTGRES,
+    POSTPONE,
+    POSTPONE_POSTGRES,
+    SETTLE,
+    in_state,
+)
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.schema import bus_commands as t
 
@@ -176,17 +184,25 @@ class SweepOps(GuardedQueue):
         return self._move_many("resume", task_ids, by, "resume", {})
 
     def postpone(self, new_times: Mapping[int, float], reason: str) -> list[int]:
-        """Move the resume_after of paused tasks (still paused: no transition, no event)."""
+        """Move the resume_after of paused tasks (still paused: no transition, no event);
+        returns the ids moved. One statement for each new time (a pass gives most tasks
+        one of a few); on PostgreSQL only the tasks it could lock at once, in id order:
+        one another sweeper is moving is left to it."""
+        postgres = self.db.dialect == "postgresql"
 
         def work(conn: Connection) -> list[int]:
-            return [
-                task_id
-                for task_id, when in new_times.items()
-                if conn.execute(
-                    POSTPONE, {"p_id": task_id, "p_resume_after": when, "p_reason": reason}
-                ).rowcount
-                == 1
-            ]
+            ids = sorted(new_times)
+            if postgres:
+                ids = list(conn.execute(LOCK_PAUSED_POSTGRES, {"p_ids": ids}).scalars())
+            at: dict[float, list[int]] = defaultdict(list)
+            for task_id in ids:
+                at[new_times[task_id]].append(task_id)
+            statement = POSTPONE_POSTGRES if postgres else POSTPONE
+            moved: list[int] = []
+            for when, group in sorted(at.items()):
+                params = {"p_ids": group, "p_resume_after": when, "p_reason": reason}
+                moved += conn.execute(statement, params).scalars()
+            return sorted(moved)
 
         return self.db.write(work) if new_times else []
 
