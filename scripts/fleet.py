@@ -189,6 +189,23 @@ def models_for(agent: int, providers: int) -> list[str]:
     return [f"p{(agent + k) % providers}/m" for k in range(providers)]
 
 
+def bouncer_settings(workers: int, pool_size: int) -> dict[str, object]:
+    """PgBouncer for a fleet (over ``tests/pgbouncer.py``'s transaction mode and trust
+    auth): room for every client a worker may open (4 connections and a spare), a pool
+    below the server's ``max_connections``, and PgBouncer's own defaults for the server
+    connections' lives (the tests shorten them, to see an outage end sooner): a server
+    connection closed after 5 s idle is opened again, a backend started, at the next
+    transaction."""
+    return {
+        "max_client_conn": workers * 5 + 100,
+        "default_pool_size": pool_size,
+        "server_idle_timeout": 600,
+        "server_lifetime": 3600,
+        "query_wait_timeout": 120,
+        "server_login_retry": 15,
+    }
+
+
 def produce(url: str, first: int, count: int, agents: int, providers: int, seed: int) -> None:
     """One producer: tasks ``first`` … ``first + count - 1``, 200 to a transaction."""
     from agentbus import AgentBus
@@ -306,9 +323,7 @@ def run(args: argparse.Namespace) -> bool:
             cluster(settings={"max_connections": args.max_connections})
         )
         direct = url.replace("postgresql+psycopg://", "postgresql://")
-        bouncer = PgBouncer(
-            url, default_pool_size=args.pool_size, max_client_conn=args.workers * 6 + 100
-        ).start()
+        bouncer = PgBouncer(url, **bouncer_settings(args.workers, args.pool_size)).start()
         stack.callback(bouncer.stop)
         pooled = bouncer.url("bus")
         env = {
