@@ -15,7 +15,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from agentbus.db import Database
+from agentbus.db import Database, pooled_name
 from agentbus.queue import TaskQueue, reads
 from agentbus.queue.tasks import TaskSpec
 from tests import pgbouncer
@@ -32,12 +32,14 @@ def worker_name(proc: Proc, agent: str = "codex") -> str:
 
 
 def held_by(backends: Backends, backend: str, url: str, name: str) -> int:
-    """Connections named ``name`` open now: on the server (direct), or on the pooler as
-    its clients (through PgBouncer, where a server connection serves whoever asks)."""
+    """Connections named ``name`` open now to the database of ``url``: on the server
+    (direct), or on the pooler as its clients (through PgBouncer, where a server
+    connection serves whoever asks, and a process is named by its kind alone)."""
+    dbname = sa.make_url(url).database
     if isinstance(backend, Pooled):
         rows = backends.bouncer().admin("SHOW CLIENTS")
-        return sum(1 for row in rows if row[-1] == name)
-    dbname = sa.make_url(url).database
+        kind = pooled_name(name, "transaction")
+        return sum(1 for row in rows if row[2] == dbname and row[-1] == kind)
     with psycopg.connect(_pg_conninfo(), autocommit=True) as conn:
         found = conn.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND application_name = %s",
@@ -366,3 +368,15 @@ def test_a_connect_timeout_that_is_not_a_number_is_one_line(
     good = sa.make_url(db_url).update_query_dict({"connect_timeout": "3"})
     done = run_busctl("--db", good.render_as_string(False), *args)
     assert done.returncode == 0, done.stderr  # type: ignore[attr-defined]
+
+
+def test_behind_a_pooler_a_connection_is_named_by_its_kind_alone() -> None:
+    """PgBouncer sets a server connection's name to its client's before the transaction
+    whenever they differ: one name per kind spares a fleet that statement."""
+    full = "agentbus-worker:codex:host:123"
+    assert pooled_name(full, "transaction") == "agentbus-worker"
+    assert pooled_name(full, "none") == full
+    assert pooled_name("agentbus-sweeper", "transaction") == "agentbus-sweeper"
+    db = Database(f"{PG_URL}?pooler=transaction", application_name=full)
+    assert db.application_name == full  # a LISTEN on a direct listen_url keeps it whole
+    db.dispose()

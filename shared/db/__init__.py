@@ -107,6 +107,16 @@ def _json_loads(data: bytes | str) -> Any:
     return _JSON_DECODE(data.decode() if isinstance(data, bytes) else data)
 
 
+def pooled_name(name: str, pooler: str) -> str:
+    """The ``application_name`` of a connection: behind a transaction pooler the kind of
+    process alone (``agentbus-worker``, not ``agentbus-worker:codex:host:pid``). PgBouncer
+    gives each transaction a server connection whose name it first sets to the client's,
+    one statement more whenever the last client had another: with a name per process
+    nearly every transaction of a fleet pays it (an idle fleet of 200 workers: 470
+    transactions a second at the server instead of about 270)."""
+    return name.split(":", 1)[0] if pooler == "transaction" else name
+
+
 class Database:
     """One database: its engine, its dialect, and retried transactions."""
 
@@ -139,7 +149,8 @@ class Database:
         ``?pooler=transaction``) says a transaction pooler stands in front of the server:
         no statement is prepared on the server, nothing is set for a session, and no
         process LISTENs through it (``listen_url``, a direct connection, does).
-        ``application_name`` names every connection in ``pg_stat_activity``.
+        ``application_name`` names every connection in ``pg_stat_activity`` (behind a
+        pooler its kind alone: ``pooled_name``).
 
         A server or pooler that refuses a connection because every one is taken
         (``is_full``) is waited out for ``full_wait_sec`` (None: as long as it takes, as
@@ -178,7 +189,7 @@ class Database:
             self._connect_timeout = _connect_timeout(self.url, connect_timeout)
             connect_args["connect_timeout"] = self._connect_timeout
             if "application_name" not in self.url.query:  # the user's own name wins
-                connect_args["application_name"] = application_name
+                connect_args["application_name"] = pooled_name(application_name, self.pooler)
             if self.pooler == "transaction":
                 # psycopg prepares a statement run often, and Prepared asks it to at once:
                 # with no threshold it never does (a prepared statement lives in a session).
