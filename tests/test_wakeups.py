@@ -207,3 +207,43 @@ def test_a_worker_polling_through_a_pooler_looks_less_often_the_longer_it_idles(
     assert wakeups.claim_every(1.0, pooled=True) == wakeups.POOLED_CLAIM_SEC
     assert wakeups.claim_every(1.0, pooled=False) == 1.0
     assert wakeups.claim_every(30.0, pooled=True) == 30.0  # a longer poll_sec stands
+
+
+def test_the_replicas_of_an_agent_share_its_looks_through_a_pooler() -> None:
+    """Five idle workers of one agent each look, and claim unbidden, five times less
+    often: the agent's queue is looked at about once a POOLED_LOOK_MAX_SEC however many
+    replicas wait on it (each at least once a POOLED_CLAIM_SEC); the fast looks after a
+    task stay fast."""
+    quiet = wakeups.POOLED_FAST_SEC + 60
+    assert wakeups.look_sec(quiet, pooled=True, peers=5) == 5 * wakeups.POOLED_LOOK_MAX_SEC
+    assert wakeups.look_sec(quiet, pooled=True, peers=0) == wakeups.POOLED_LOOK_MAX_SEC
+    assert wakeups.look_sec(quiet, pooled=True, peers=500) == wakeups.POOLED_CLAIM_SEC
+    assert wakeups.look_sec(1.0, pooled=True, peers=5) == wakeups.LOOK_SEC
+    assert wakeups.look_sec(quiet, pooled=False, peers=5) == wakeups.LOOK_SEC
+    assert [wakeups.jittered(4.0, d) for d in (0.0, 0.5, 0.999)] == [2.0, 4.0, 5.996]
+    assert wakeups.claim_every(1.0, pooled=True, peers=5) == 5 * wakeups.POOLED_CLAIM_SEC
+    assert wakeups.claim_every(1.0, pooled=False, peers=5) == 1.0
+
+
+def test_a_heartbeat_counts_the_idle_workers_of_its_agent(db: Database, clock: FakeClock) -> None:
+    """Registered, running nothing and heard from lately: counted; running a task, silent
+    for PEER_SILENT_SEC, or of another agent: not."""
+    from agentbus.queue.workers import PEER_SILENT_SEC, WorkerRegistry
+
+    me, idle, busy, silent = (
+        WorkerRegistry(db, name, "codex", clock=clock) for name in ("me", "idle", "busy", "silent")
+    )
+    other = WorkerRegistry(db, "other", "analyst", clock=clock)
+    for registry in (silent, me, idle, busy, other):
+        registry.register()
+        if registry is silent:
+            clock.advance(PEER_SILENT_SEC + 1)
+    busy.running[7] = None
+    busy.beat()
+    assert me.idle_peers == 1  # none read yet
+    me.beat()
+    assert me.idle_peers == 2  # itself and "idle"
+    idle.running[8] = None
+    idle.beat()
+    me.beat()
+    assert me.idle_peers == 1

@@ -10,8 +10,10 @@ claims' own connection back to the pool.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
+from collections.abc import Callable
 
 from agentbus.db import Database
 from agentbus.queue import TaskQueue, wakeups
@@ -28,10 +30,13 @@ class Idle:
         *,
         stopping: threading.Event,
         listen: bool,
+        peers: Callable[[], int] = lambda: 1,
     ) -> None:
         self.queue = queue
         self.agent = agent
         self.poll_sec = poll_sec
+        #: The idle workers of the agent, this one among them (its last heartbeat's count).
+        self.peers = peers
         self.stopping = stopping  # the worker's: a stop ends the idle wait
         self._wake = threading.Event()  # a task was queued for us, a slot freed, a stop
         self._look_when_due = False  # an idle wait ended by a wake-up: see wait_for_work
@@ -97,7 +102,7 @@ class Idle:
         look = self.listener is None or not self.listener.listening.is_set()
         due_in = self.queue.due_in(self.agent) if self._look_when_due and not look else None
         self._look_when_due = False
-        wait = wakeups.claim_every(self.poll_sec, pooled=self._pooled_looks)
+        wait = wakeups.claim_every(self.poll_sec, pooled=self._pooled_looks, peers=self.peers())
         if due_in is not None and due_in < wait:  # end at that task's time
             wait = max(due_in, wakeups.AGAIN_SEC)
         deadline = time.monotonic() + wait
@@ -107,7 +112,9 @@ class Idle:
                 # At a task's time: should the claim find it a hair early, look again.
                 self._look_when_due = due_in is not None and 0 < due_in < self.poll_sec
                 return
-            every = wakeups.look_sec(self.idle_for(), pooled=self._pooled_looks)
+            every = wakeups.look_sec(self.idle_for(), pooled=self._pooled_looks, peers=self.peers())
+            if every > wakeups.LOOK_SEC:
+                every = wakeups.jittered(every, random.random())
             if self.wait(min(every, left) if look else left):
                 self._look_when_due = True
                 return

@@ -98,6 +98,7 @@ class Worker:
             options.poll_sec,
             stopping=self.stopping,
             listen=not options.drain,
+            peers=lambda: self.registry.idle_peers,
         )
         self._slots = (
             ThreadPoolExecutor(options.concurrency, thread_name_prefix="slot")

@@ -20,6 +20,20 @@ from agentbus.clock import offset_of
 from agentbus.db import Database
 from agentbus.schema import workers as w
 
+#: A worker that has not beaten for this long is not counted among an agent's idle peers
+#: (an idle worker beats every third of its lease: 20 s by default).
+PEER_SILENT_SEC = 60.0
+
+
+def _idle_peers(agent: str, since: float) -> sa.ScalarSelect[int]:
+    """The workers of ``agent`` running nothing that have beaten since ``since``."""
+    peer = w.alias("peer")
+    return (
+        sa.select(sa.func.count())
+        .where(peer.c.agent == agent, peer.c.current_task.is_(None), peer.c.heartbeat_at >= since)
+        .scalar_subquery()
+    )
+
 
 def new_worker_id(agent: str) -> str:
     return f"{agent}@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:4]}"
@@ -43,6 +57,8 @@ class WorkerRegistry:
         self.consecutive_failures = 0
         self.backoff_until: float | None = None
         self.running: dict[int, None] = {}  # task ids in the order they were claimed
+        #: The agent's workers running nothing at the last heartbeat, this one counted.
+        self.idle_peers = 1
 
     def register(self) -> None:
         now = self.clock()
@@ -59,17 +75,23 @@ class WorkerRegistry:
         self.db.write(lambda conn: conn.execute(sa.insert(w), row))
 
     def beat(self) -> None:
-        """Write heartbeat, running tasks and backoff state (re-registering if pruned)."""
+        """Write heartbeat, running tasks and backoff state (re-registering if pruned), and
+        read how many workers of the agent are idle (``idle_peers``)."""
 
-        def work(conn: Connection) -> int:
+        def work(conn: Connection) -> int | None:
+            now = self.clock()
             return conn.execute(
                 sa.update(w)
                 .where(w.c.id == self.id)
-                .values(heartbeat_at=self.clock(), **self._state())
-            ).rowcount
+                .values(heartbeat_at=now, **self._state())
+                .returning(_idle_peers(self.agent, now - PEER_SILENT_SEC))
+            ).scalar()
 
-        if self.db.write(work) == 0:
+        peers = self.db.write(work)
+        if peers is None:
             self.register()
+        else:
+            self.idle_peers = max(int(peers), 1)
 
     def _state(self) -> dict[str, object]:
         running = list(self.running)  # a copy: the worker's threads change it
