@@ -71,6 +71,7 @@ defaults (fsync on, synchronous_commit on).
     python scripts/bench.py                       # both backends, and the comparison
     python scripts/bench.py --backends sqlite --tasks 2000 --compare-tasks 0
     python scripts/bench.py fleet --workers 200 --tasks 20000   # scripts/fleet.py
+    python scripts/bench.py rows                    # 10 M rows: scripts/rows_bench.py
 
 With ``pip install -e .[bench]`` the same no-op drain also runs through huey
 (SQLite), procrastinate and pgqueuer (PostgreSQL); see scripts/compare.py for
@@ -97,6 +98,7 @@ import latency
 import measure
 import pooler_bench
 import psycopg
+import rows_bench
 import sqlalchemy as sa
 import startup
 import turns
@@ -356,6 +358,8 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
 def main() -> None:
     if sys.argv[1:2] == ["fleet"]:  # a fleet on PostgreSQL through PgBouncer: fleet.py
         sys.exit(fleet.main(sys.argv[2:]))
+    if sys.argv[1:2] == ["rows"]:  # claim and retention on millions of rows: rows_bench.py
+        sys.exit(rows_bench.main(sys.argv[2:]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--backends",
