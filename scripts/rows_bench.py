@@ -100,8 +100,8 @@ def build(db: Database, tasks: int, events: int, queued: int, paused: int) -> fl
         **shape, finished=tasks - queued - paused, series=series(db.dialect, 1, tasks)
     )
     sql_events = EVENTS_SQL.format(**shape, series=series(db.dialect, 0, events - 1))
-    db.write(lambda conn: conn.exec_driver_sql(sql_tasks))
-    db.write(lambda conn: conn.exec_driver_sql(sql_events))
+    db.write(lambda conn: conn.execute(sa.text(sql_tasks)))  # text(): its % escaped
+    db.write(lambda conn: conn.execute(sa.text(sql_events)))
     db.write(lambda conn: conn.exec_driver_sql("ANALYZE"))
     return time.perf_counter() - began
 
