@@ -206,6 +206,55 @@ def test_prune_deletes_old_finished_tasks_with_their_events(db: Database, clock:
     assert jobs.prune(keep) == {"pruned": 0}
 
 
+def test_old_routes_keys_and_cooldowns_go_in_bounded_batches(
+    db: Database, clock: FakeClock
+) -> None:
+    """Routing history, idempotency keys and cooldown history past their retention are
+    deleted ``batch`` rows to a transaction, at most ``max_batches`` a pass: millions of
+    old rows are never one transaction. Younger rows stay."""
+    from agentbus.queue import retention
+    from agentbus.schema import cooldown_history, idempotency_keys
+
+    def rows(at: float) -> None:
+        db.write(
+            lambda conn: (
+                conn.execute(
+                    sa.insert(route_log),
+                    [
+                        {"task_id": 1, "claim_token": 1, "agent": "a", "model": "m"}
+                        | {"decision": "call", "at": at}
+                    ]
+                    * 5,
+                ),
+                conn.execute(
+                    sa.insert(idempotency_keys),
+                    [{"key": f"k{at}-{i}", "task_id": 1, "created_at": at} for i in range(5)],
+                ),
+                conn.execute(
+                    sa.insert(cooldown_history),
+                    [{"model_id": "m", "cooldown_until": at, "set_at": at}] * 5,
+                ),
+            )
+        )
+
+    def counts() -> list[int]:
+        tables = (route_log, idempotency_keys, cooldown_history)
+        return db.read(
+            lambda conn: [
+                conn.execute(sa.select(sa.func.count()).select_from(t)).scalar_one() for t in tables
+            ]
+        )
+
+    rows(clock.now)
+    clock.advance(100)
+    rows(clock.now)
+    keep = {"done_sec": 50.0, "failed_sec": 50.0, "routes_sec": 50.0, "keys_sec": 50.0}
+    retention.prune(db, clock.now, batch=2, max_batches=2, **keep)
+    assert counts() == [6, 6, 6]  # 2 batches of 2 went from each table's 5 old rows
+    retention.prune(db, clock.now, batch=2, max_batches=100, **keep)
+    assert counts() == [5, 5, 5]  # the old ones, whatever was left; the young kept
+
+
 def test_plan_resume_is_pure() -> None:
     due = [
         DueTask(1, "a", ("m1", "m2"), 10.0, 0.0, "m1", 0),

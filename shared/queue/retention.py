@@ -16,6 +16,7 @@ agentbus's: they are kept unless ``adopted`` is True (``prune_adopted_tasks``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -60,20 +61,37 @@ def prune(
             total += gone
             if gone < batch:
                 break
+    old: list[tuple[sa.Column[Any], sa.ColumnElement[bool]]] = []
     if routes_sec > 0:  # the routing history of tasks still kept goes too, once old
-        cutoff = now - routes_sec
-        db.write(lambda conn: conn.execute(sa.delete(route_log).where(route_log.c.at < cutoff)))
+        old.append((route_log.c.id, route_log.c.at < now - routes_sec))
     if keys_sec > 0:  # idempotency keys: kept longer than the tasks they named
-        cutoff = now - keys_sec
-        db.write(lambda conn: conn.execute(sa.delete(keys).where(keys.c.created_at < cutoff)))
+        old.append((keys.c.key, keys.c.created_at < now - keys_sec))
     kept = [keep for keep in (done_sec, failed_sec) if keep > 0]
     if kept:  # cooldown history lives as long as the shortest task retention
-        cutoff = now - min(kept)
-        db.write(
-            lambda conn: conn.execute(
-                sa.delete(cooldown_history).where(cooldown_history.c.set_at < cutoff)
-            )
-        )
+        old.append((cooldown_history.c.id, cooldown_history.c.set_at < now - min(kept)))
+    for key, condition in old:
+        _delete_in_batches(db, key, condition, batch, max_batches)
+    return total
+
+
+def _delete_in_batches(
+    db: Database,
+    key: sa.Column[Any],
+    condition: sa.ColumnElement[bool],
+    batch: int,
+    max_batches: int,
+) -> int:
+    """Delete the rows of ``key``'s table that meet ``condition``, ``batch`` to a
+    transaction and at most ``max_batches`` of them (the rest at the next pass): a table
+    of millions of old rows is never one long transaction."""
+    picked = sa.select(key).where(condition).limit(batch)
+    delete = sa.delete(key.table).where(key.in_(picked))
+    total = 0
+    for _ in range(max_batches):
+        gone = int(db.write(lambda conn: conn.execute(delete).rowcount))
+        total += gone
+        if gone < batch:
+            break
     return total
 
 
