@@ -157,6 +157,26 @@ def retention_beside_claims(db: Database, queue: TaskQueue) -> tuple[float, int,
     return result["secs"], int(result["gone"]), took
 
 
+def drain_windows(db: Database, queue: TaskQueue, n: int, scale: float | None) -> str:
+    """``n`` claims and completions in a row, as a worker's, the claim's p99 per fifth of
+    them: what the dead entries a drain leaves in the queued tasks' index cost while
+    autovacuum lets them be (its default: when a fifth of the table changed), or with the
+    table's ``autovacuum_vacuum_scale_factor`` set to ``scale`` (PostgreSQL)."""
+    if scale is not None and db.dialect == "postgresql":
+        db.write(
+            lambda conn: conn.exec_driver_sql(
+                f"ALTER TABLE bus_commands SET (autovacuum_vacuum_scale_factor = {scale})"
+            )
+        )
+    fifth = max(n // 5, 1)
+    p99s = []
+    for k in range(5):
+        _, p99, _ = quantiles(claims(queue, fifth, offset=k * fifth))
+        p99s.append(f"{p99:.2f}")
+    said = "default" if scale is None else f"scale factor {scale}"
+    return f"claim p99 per {fifth:,} claims, autovacuum {said}: {' / '.join(p99s)} ms"
+
+
 @contextmanager
 def fresh(backend: str) -> Iterator[str]:
     if backend == "sqlite":
@@ -190,6 +210,8 @@ def measure(backend: str, tasks: int, events: int, args: argparse.Namespace) -> 
         p50, p99, most = quantiles(claims(queue, args.claims, offset=50))
         out["claim"] = f"p50 {p50:.2f} ms, p99 {p99:.2f} ms, max {most:.1f} ms"
         out["enqueue"] = f"{enqueues(queue, args.enqueues):,.0f} /s"
+        if big and args.drain:
+            out["drain"] = drain_windows(db, queue, args.drain, args.vacuum_scale)
         if big:
             pass_secs, gone, took = retention_beside_claims(db, queue)
             _, p99, most = quantiles(took)
@@ -211,6 +233,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--paused", type=int, default=100_000)
     p.add_argument("--claims", type=int, default=2_000)
     p.add_argument("--enqueues", type=int, default=2_000)
+    p.add_argument("--drain", type=int, default=0, help="claims in a row on the large table")
+    p.add_argument("--vacuum-scale", type=float, help="bus_commands' autovacuum scale factor")
     args = p.parse_args(argv)
     for backend in args.backends.split(","):
         tasks = args.tasks or (10_000_000 if backend == "postgresql" else 1_000_000)
@@ -219,6 +243,8 @@ def main(argv: list[str]) -> int:
         large = measure(backend, tasks, events, args)
         for key in ("build", "claim", "enqueue"):
             print(f"{backend}, {key}: 10,000 tasks {small[key]}; {tasks:,} tasks {large[key]}")
+        if "drain" in large:
+            print(f"{backend}, {args.drain:,} claims in a row: {large['drain']}")
         print(f"{backend}, retention pass at {tasks:,} tasks: {large['retention']}", flush=True)
     return 0
 
