@@ -134,7 +134,9 @@ def quantiles(took: list[float]) -> tuple[float, float, float]:
     return p(0.5), p(0.99), ordered[-1] * 1000
 
 
-def retention_beside_claims(db: Database, queue: TaskQueue) -> tuple[float, int, list[float]]:
+def retention_beside_claims(
+    db: Database, queue: TaskQueue, batch: int
+) -> tuple[float, int, list[float]]:
     """One retention pass in a thread; claims meanwhile. The pass's seconds, the tasks it
     deleted, and the claims' latencies while it ran."""
     result: dict[str, float] = {}
@@ -142,7 +144,7 @@ def retention_beside_claims(db: Database, queue: TaskQueue) -> tuple[float, int,
     def prune() -> None:
         began = time.perf_counter()
         result["gone"] = retention.prune(
-            db, time.time(), done_sec=DONE_KEEP, failed_sec=FAILED_KEEP, batch=500
+            db, time.time(), done_sec=DONE_KEEP, failed_sec=FAILED_KEEP, batch=batch
         )
         result["secs"] = time.perf_counter() - began
 
@@ -213,7 +215,7 @@ def measure(backend: str, tasks: int, events: int, args: argparse.Namespace) -> 
         if big and args.drain:
             out["drain"] = drain_windows(db, queue, args.drain, args.vacuum_scale)
         if big:
-            pass_secs, gone, took = retention_beside_claims(db, queue)
+            pass_secs, gone, took = retention_beside_claims(db, queue, args.retention_batch)
             _, p99, most = quantiles(took)
             verdict = "met" if most <= 100 else "NOT met"
             out["retention"] = (
@@ -233,6 +235,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--paused", type=int, default=100_000)
     p.add_argument("--claims", type=int, default=2_000)
     p.add_argument("--enqueues", type=int, default=2_000)
+    p.add_argument("--retention-batch", type=int, default=500, help="sweep_batch: 500")
     p.add_argument("--drain", type=int, default=0, help="claims in a row on the large table")
     p.add_argument("--vacuum-scale", type=float, help="bus_commands' autovacuum scale factor")
     args = p.parse_args(argv)
