@@ -38,14 +38,13 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import sqlalchemy as sa
 from measure import (
     Figures,
+    agentbus_database,
     consume,
     count_rows,
     execute,
@@ -78,7 +77,7 @@ def agentbus(backend: str, batch: int) -> Callable[[int, int, int], Figures]:
         from agentbus.queue import TaskQueue
         from agentbus.queue.tasks import TaskSpec
 
-        with _agentbus_database(backend) as url:
+        with agentbus_database(backend) as url:
             db = Database(url)
             migrate(db)
             agent = f"cmp{uuid.uuid4().hex[:6]}"
@@ -99,16 +98,6 @@ def agentbus(backend: str, batch: int) -> Callable[[int, int, int], Figures]:
         return replace(figures, single=one, batch=many)
 
     return cycle
-
-
-@contextmanager
-def _agentbus_database(backend: str) -> Iterator[str]:
-    if backend == "sqlite":
-        with tempfile.TemporaryDirectory() as tmp:
-            yield f"sqlite:///{tmp}/cmp.db"
-        return
-    with pg_database() as conninfo:
-        yield sa.make_url(conninfo).set(drivername="postgresql+psycopg").render_as_string(False)
 
 
 # -- huey (SQLite) ---------------------------------------------------------------

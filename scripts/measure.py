@@ -8,6 +8,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -59,6 +60,18 @@ def pg_database() -> Iterator[str]:
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@contextmanager
+def agentbus_database(backend: str) -> Iterator[str]:
+    """A fresh database's SQLAlchemy URL for agentbus: a SQLite file in a temporary
+    folder, or a PostgreSQL database (``pg_database``); gone afterwards."""
+    if backend == "sqlite":
+        with tempfile.TemporaryDirectory() as tmp:
+            yield f"sqlite:///{tmp}/bench.db"
+        return
+    with pg_database() as conninfo:
+        yield sa.make_url(conninfo).set(drivername="postgresql+psycopg").render_as_string(False)
 
 
 def module(workdir: Path, source: str) -> Path:

@@ -28,18 +28,12 @@ at full size PostgreSQL needs about 15 GB.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 import threading
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
-import psycopg
 import sqlalchemy as sa
+from measure import agentbus_database
 
 from agentbus.db import Database
 from agentbus.migrations import migrate
@@ -47,9 +41,6 @@ from agentbus.queue import Settlement, TaskQueue, retention
 from agentbus.queue.decisions import Complete
 from agentbus.queue.tasks import TaskSpec
 
-PG_URL = os.environ.get(
-    "AGENTBUS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-)
 AGENTS = 40
 DAY = 86400.0
 DONE_KEEP, FAILED_KEEP = 7 * DAY, 30 * DAY  # the retention settings' defaults
@@ -179,30 +170,13 @@ def drain_windows(db: Database, queue: TaskQueue, n: int, scale: float | None) -
     return f"claim p99 per {fifth:,} claims, autovacuum {said}: {' / '.join(p99s)} ms"
 
 
-@contextmanager
-def fresh(backend: str) -> Iterator[str]:
-    if backend == "sqlite":
-        with tempfile.TemporaryDirectory() as tmp:
-            yield f"sqlite:///{Path(tmp) / 'rows.db'}"
-        return
-    name = f"agentbus_rows_{uuid.uuid4().hex[:8]}"
-    admin = sa.make_url(PG_URL).set(drivername="postgresql").render_as_string(False)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    try:
-        yield sa.make_url(PG_URL).set(database=name).render_as_string(False)
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
 def measure(backend: str, tasks: int, events: int, args: argparse.Namespace) -> dict[str, str]:
     """One table's figures."""
     big = tasks > 10_000
     queued = args.queued if big else 2_500
     paused = args.paused if big else 1_000
     out: dict[str, str] = {}
-    with fresh(backend) as url:
+    with agentbus_database(backend) as url:
         db = Database(url)
         migrate(db)
         secs = build(db, tasks, events, queued, paused)

@@ -1,5 +1,6 @@
-"""scripts/fleet.py: its checks catch what they are there to catch (the run itself is a
-benchmark: ``python scripts/bench.py fleet``; ``.ci/run`` runs a short one)."""
+"""scripts/fleet_checks.py, the checks of scripts/fleet.py: each catches what it is there
+to catch (the run itself is a benchmark: ``python scripts/bench.py fleet``; ``.ci/run``
+runs a short one)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from tests.support import script
 
-fleet = script("fleet")
+fleet = script("fleet_checks")
 
 
 def test_the_most_in_a_window_counts_a_half_open_minute() -> None:
