@@ -72,6 +72,7 @@ defaults (fsync on, synchronous_commit on).
     python scripts/bench.py --backends sqlite --tasks 2000 --compare-tasks 0
     python scripts/bench.py fleet --workers 200 --tasks 20000   # scripts/fleet.py
     python scripts/bench.py rows                    # 10 M rows: scripts/rows_bench.py
+    python scripts/bench.py rows --paths-only       # what operators read: growth_bench.py
 
 With ``pip install -e .[bench]`` the same no-op drain also runs through huey
 (SQLite), procrastinate and pgqueuer (PostgreSQL); see scripts/compare.py for

@@ -16,6 +16,8 @@ Measured on each:
 - claim latency: ``--claims`` claims of one task, each acknowledging the one before
   (a worker's settle-and-claim), round the agents; p50, p99 and the longest;
 - enqueue rate: ``--enqueues`` single enqueues, one transaction each;
+- what operators read, and the sweeper's pass, on each (``growth_bench``): each path's
+  median and its ratio to the small table's, against its target;
 - on the large table, one retention pass (``retention.prune``: done tasks older than
   7 days, failed older than 30, in batches of 500, at most 100 batches) while claims run
   beside it: how long the pass took, what it deleted, and the longest claim meanwhile
@@ -31,8 +33,11 @@ import argparse
 import sys
 import threading
 import time
+from typing import Any
 
 import sqlalchemy as sa
+from growth_bench import operator_paths
+from growth_bench import table as paths_table
 from measure import agentbus_database
 
 from agentbus.db import Database
@@ -170,17 +175,22 @@ def drain_windows(db: Database, queue: TaskQueue, n: int, scale: float | None) -
     return f"claim p99 per {fifth:,} claims, autovacuum {said}: {' / '.join(p99s)} ms"
 
 
-def measure(backend: str, tasks: int, events: int, args: argparse.Namespace) -> dict[str, str]:
+def measure(backend: str, tasks: int, events: int, args: argparse.Namespace) -> dict[str, Any]:
     """One table's figures."""
     big = tasks > 10_000
     queued = args.queued if big else 2_500
     paused = args.paused if big else 1_000
-    out: dict[str, str] = {}
+    out: dict[str, Any] = {}
     with agentbus_database(backend) as url:
         db = Database(url)
         migrate(db)
         secs = build(db, tasks, events, queued, paused)
         out["build"] = f"{secs:,.0f} s"
+        if args.paths:
+            out["paths"] = operator_paths(url)
+        if args.paths_only:
+            db.dispose()
+            return out
         queue = TaskQueue(db)
         claims(queue, 50)  # warm
         p50, p99, most = quantiles(claims(queue, args.claims, offset=50))
@@ -212,6 +222,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--retention-batch", type=int, default=500, help="sweep_batch: 500")
     p.add_argument("--drain", type=int, default=0, help="claims in a row on the large table")
     p.add_argument("--vacuum-scale", type=float, help="bus_commands' autovacuum scale factor")
+    p.add_argument(
+        "--no-paths", dest="paths", action="store_false", help="skip what operators read"
+    )
+    p.add_argument("--paths-only", action="store_true", help="only what operators read")
     args = p.parse_args(argv)
     for backend in args.backends.split(","):
         tasks = args.tasks or (10_000_000 if backend == "postgresql" else 1_000_000)
@@ -219,10 +233,16 @@ def main(argv: list[str]) -> int:
         small = measure(backend, 10_000, 50_000, args)
         large = measure(backend, tasks, events, args)
         for key in ("build", "claim", "enqueue"):
-            print(f"{backend}, {key}: 10,000 tasks {small[key]}; {tasks:,} tasks {large[key]}")
+            if key in large:
+                print(f"{backend}, {key}: 10,000 tasks {small[key]}; {tasks:,} tasks {large[key]}")
         if "drain" in large:
             print(f"{backend}, {args.drain:,} claims in a row: {large['drain']}")
-        print(f"{backend}, retention pass at {tasks:,} tasks: {large['retention']}", flush=True)
+        if "retention" in large:
+            print(f"{backend}, retention pass at {tasks:,} tasks: {large['retention']}")
+        if "paths" in large:
+            print(f"{backend}, what operators read (median ms):")
+            print("\n".join(paths_table(small["paths"], large["paths"], f"{tasks:,}")))
+        sys.stdout.flush()
     return 0
 
 

@@ -85,6 +85,20 @@ sa.Index(
 sa.Index(
     "ix_bus_commands_lease", bus_commands.c.lease_until, sqlite_where=sa.text("status = 'claimed'")
 )
+# Finished tasks by when they finished: retention's cutoffs and the last failures.
+sa.Index(
+    "ix_bus_commands_done_at", bus_commands.c.updated_at, sqlite_where=sa.text("status = 'done'")
+)
+sa.Index(
+    "ix_bus_commands_failed_at",
+    bus_commands.c.updated_at,
+    sqlite_where=sa.text("status IN ('failed', 'error')"),
+)
+sa.Index(
+    "ix_bus_commands_cancelled_at",
+    bus_commands.c.updated_at,
+    sqlite_where=sa.text("status = 'cancelled'"),
+)
 # An idempotency key names one task; the tasks without one are not in the index, so an
 # enqueue without a key writes no page of it.
 sa.Index(
@@ -380,6 +394,19 @@ bus_counters = sa.Table(
     sa.Column("name", Text, primary_key=True),
     sa.Column("label", Text, primary_key=True, server_default=""),
     sa.Column("value", BigInteger, nullable=False, server_default="0"),
+)
+
+#: The tasks of each agent in each state, kept by triggers on ``bus_commands`` in the
+#: transaction of every insert, change of state and delete (migration 0021): the sum of
+#: ``n`` over the shards. On PostgreSQL each server process counts into a shard of its
+#: own (its pid) and the sweeper adds those into shard 0 (``agentbus.queue.counts``).
+task_counts = sa.Table(
+    "task_counts",
+    metadata,
+    sa.Column("agent", Text, primary_key=True),
+    sa.Column("status", Text, primary_key=True),
+    sa.Column("shard", BigInteger, primary_key=True, server_default="0"),
+    sa.Column("n", BigInteger, nullable=False, server_default="0"),
 )
 
 #: Histograms and counters that processes observe in memory and add here every few

@@ -20,6 +20,7 @@ from agentbus.db import Database
 from agentbus.errors import ConfigError
 from agentbus.logging import get_logger
 from agentbus.queue import TaskQueue, retention
+from agentbus.queue import counts as task_counts
 from agentbus.queue import malformed as bad_rows
 from agentbus.queue import workers as worker_rows
 from agentbus.queue.decisions import ALL_REFUSED
@@ -151,7 +152,9 @@ def next_wake(s: Sweep) -> float | None:
 
 
 def purge(s: Sweep) -> dict[str, int]:
-    """Delete cooldowns that have ended, and call slots no limit counts any more."""
+    """Delete cooldowns that have ended, and call slots no limit counts any more; add the
+    server processes' task counts up (``counts.fold``)."""
+    task_counts.fold(s.db)
     return {"purged": s.cooldowns.purge_expired(), "slots_purged": s.admission.purge()}
 
 

@@ -65,8 +65,8 @@ def sqlite_table() -> str:
 
 def remake_sqlite_table(old: str, new: str) -> None:
     """SQLite: bus_commands made again from its own ``CREATE TABLE`` text with ``old``
-    written as ``new``, its rows copied, its indexes made again from their own text and
-    its AUTOINCREMENT high-water mark kept."""
+    written as ``new``, its rows copied, its indexes and triggers made again from their
+    own text and its AUTOINCREMENT high-water mark kept."""
     bind = op.get_bind()
     table = sqlite_table()
     if old not in table:
@@ -74,7 +74,7 @@ def remake_sqlite_table(old: str, new: str) -> None:
     indexes = list(
         bind.execute(
             sa.text(
-                "SELECT sql FROM sqlite_master WHERE type = 'index' "
+                "SELECT sql FROM sqlite_master WHERE type IN ('index', 'trigger') "
                 "AND tbl_name = 'bus_commands' AND sql IS NOT NULL"
             )
         ).scalars()

@@ -15,13 +15,22 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus import process_metrics
-from agentbus.queue.statements import in_state
+from agentbus.queue.statements import in_state, in_states
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_commands as t
 from agentbus.schema import bus_counters, task_events, usage_daily, workers
 
 RECENT_FAILURES = 20
 HOUR = 3600.0
+
+#: The tasks that failed (or errored) last, newest first: the start of their partial
+#: index on updated_at, read backwards.
+RECENT_FAILED = (
+    sa.select(t.c.id, t.c.agent, t.c.status, t.c.last_error, t.c.updated_at)
+    .where(in_states(TaskStatus.FAILED, TaskStatus.ERROR))
+    .order_by(t.c.updated_at.desc())
+    .limit(RECENT_FAILURES)
+)
 
 
 def observe(conn: Connection, now: float, stale_sec: float) -> dict[str, Any]:
@@ -51,12 +60,7 @@ def observe(conn: Connection, now: float, stale_sec: float) -> dict[str, Any]:
             sa.func.sum(usage_daily.c.cost),
         ).group_by(usage_daily.c.model)
     ).all()
-    failed = conn.execute(
-        sa.select(t.c.id, t.c.agent, t.c.status, t.c.last_error, t.c.updated_at)
-        .where(t.c.status.in_([TaskStatus.FAILED, TaskStatus.ERROR]))
-        .order_by(t.c.updated_at.desc())
-        .limit(RECENT_FAILURES)
-    ).all()
+    failed = conn.execute(RECENT_FAILED).all()
     return {
         "counters": counters,
         "oldest_queued_age": {a: max(0.0, now - (c or now)) for a, c in sorted(oldest.items())},

@@ -7,7 +7,8 @@
 - ``task_queue``: ``TaskQueue``, the only code that changes a task's status
   (``sweeps``: its rescue, resume, postpone and demote operations).
 - ``events``: the task event log, written in the transaction of each change.
-- ``reads``: read-only queries; ``malformed``: rows written by hand that agentbus
+- ``reads``: read-only queries; ``counts``: the tasks per agent and state, kept by
+  triggers; ``malformed``: rows written by hand that agentbus
   cannot use; ``retention``: pruning old tasks;
   ``todos``: ``ops_todos``; ``workers``: the worker registry.
 """

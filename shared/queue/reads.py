@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from agentbus.admission import usage
 from agentbus.db import Database
 from agentbus.errors import TaskNotFound
+from agentbus.queue import counts as task_counts
 from agentbus.queue import events
 from agentbus.queue.malformed import task_problems
 from agentbus.queue.tasks import Task
@@ -41,13 +42,8 @@ def task_events(db: Database, task_id: int) -> list[dict[str, Any]]:
 
 
 def counts(db: Database) -> Counter[tuple[str, str]]:
-    """Task counts keyed by (status, agent)."""
-    rows = db.read(
-        lambda conn: conn.execute(
-            sa.select(t.c.status, t.c.agent, sa.func.count()).group_by(t.c.status, t.c.agent)
-        ).all()
-    )
-    return Counter({(status, agent): n for status, agent, n in rows})
+    """Task counts keyed by (status, agent), from the counts the triggers keep."""
+    return db.read(task_counts.read)
 
 
 def live_agents(db: Database) -> set[str]:

@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.db import Database
+from agentbus.queue.statements import in_states
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import adopted_tables, cooldown_history, route_log
 from agentbus.schema import bus_commands as t
@@ -50,7 +51,8 @@ def prune(
 ) -> int:
     """Delete old finished tasks (and their events); returns how many tasks went."""
     total = 0
-    finished = ((DONE,), done_sec), ((FAILED, ERROR, CANCELLED), failed_sec)
+    # Each group is the condition of a partial index on updated_at (migration 0021).
+    finished = ((DONE,), done_sec), ((FAILED, ERROR), failed_sec), ((CANCELLED,), failed_sec)
     first_own = 0 if adopted else adopted_through(db) + 1
     for statuses, keep in finished:
         if keep <= 0:
@@ -101,19 +103,22 @@ def adopted_through(db: Database) -> int:
     return int(db.read(lambda conn: conn.execute(query).scalar()) or 0)
 
 
+def finished_before(
+    statuses: tuple[TaskStatus, ...], cutoff: float, batch: int, first_id: int = 0
+) -> sa.Select[tuple[int]]:
+    """Up to ``batch`` ids of tasks in ``statuses`` that finished before ``cutoff``: a
+    range of the partial index of those states on updated_at, however many finished."""
+    query = sa.select(t.c.id).where(in_states(*statuses), t.c.updated_at < cutoff)
+    if first_id > 0:  # ``id + 0``: by the index on time still, not a range of ids
+        query = query.where(t.c.id + 0 >= first_id)
+    return query.limit(batch)
+
+
 def _delete_batch(
     statuses: tuple[TaskStatus, ...], cutoff: float, batch: int, first_id: int
 ) -> Callable[[Connection], int]:
     def work(conn: Connection) -> int:
-        ids = (
-            conn.execute(
-                sa.select(t.c.id)
-                .where(t.c.status.in_(statuses), t.c.updated_at < cutoff, t.c.id >= first_id)
-                .limit(batch)
-            )
-            .scalars()
-            .all()
-        )
+        ids = conn.execute(finished_before(statuses, cutoff, batch, first_id)).scalars().all()
         if not ids:
             return 0
         conn.execute(sa.delete(ev).where(ev.c.task_id.in_(ids)))

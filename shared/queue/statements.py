@@ -123,6 +123,15 @@ def in_state(status: TaskStatus) -> sa.ColumnElement[bool]:
     return t.c.status == _state(status)
 
 
+def in_states(*statuses: TaskStatus) -> sa.ColumnElement[bool]:
+    """``status IN ('<state>', ...)`` with the states written into the SQL, in the order
+    given: the condition of a partial index over those states, word for word (SQLite
+    reads such an index only for a query that repeats its condition)."""
+    if len(statuses) == 1:
+        return in_state(statuses[0])
+    return t.c.status.in_([_state(s) for s in statuses])
+
+
 def keyed_in_state(status: TaskStatus) -> sa.ColumnElement[bool]:
     """The state test of a statement that names its tasks by key: ``status || '' =
     '<state>'``, which matches no partial index's condition, so that the tasks are read

@@ -1,0 +1,149 @@
+"""Tasks counted by agent and state as they change (``task_counts``), and the finished
+tasks indexed by when they finished.
+
+Status, /metrics and the dashboard showed the tasks of each agent and state with a
+``GROUP BY`` over ``bus_commands``: at 10 M rows that read 1.2 s at every scrape.
+Triggers now keep the counts in the transaction of each change: an insert counts
+its task, a change of state or agent moves it, a delete (retention, an operator's
+SQL) takes it away; a ``TRUNCATE`` (PostgreSQL) empties the counts. Readers add up a
+handful of rows.
+
+Every worker's commit changes a count, so the counts are never one row that they all
+update: on PostgreSQL each server process writes rows of its own (``shard`` is
+``pg_backend_pid()``), which no other transaction writes while it runs, so that no
+commit waits on another's count and no two deadlock on theirs. The sweeper adds these
+rows into shard 0 now and then (``agentbus.queue.counts.fold``). SQLite has one writer
+at a time and keeps shard 0 only.
+
+The finished tasks get partial indexes on ``updated_at`` (done; failed and error;
+cancelled): retention finds the tasks past their time, and status the last failures,
+through them instead of reading every finished task.
+
+Revision ID: 0021
+Revises: 0020
+Create Date: 2026-12-07
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0021"
+down_revision = "0020"
+branch_labels = None
+depends_on = None
+
+#: name -> the states of its partial index on updated_at
+FINISHED = {
+    "ix_bus_commands_done_at": "status = 'done'",
+    "ix_bus_commands_failed_at": "status IN ('failed', 'error')",
+    "ix_bus_commands_cancelled_at": "status = 'cancelled'",
+}
+UPSERT = (
+    "INSERT INTO task_counts (agent, status, shard, n) VALUES {rows} "
+    "ON CONFLICT (agent, status, shard) DO UPDATE SET n = task_counts.n + excluded.n"
+)
+CHANGED = "OLD.status IS DISTINCT FROM NEW.status OR OLD.agent IS DISTINCT FROM NEW.agent"
+
+
+def upgrade() -> None:
+    op.create_table(
+        "task_counts",
+        sa.Column("agent", sa.Text, primary_key=True),
+        sa.Column("status", sa.Text, primary_key=True),
+        sa.Column("shard", sa.BigInteger, primary_key=True, server_default="0"),
+        sa.Column("n", sa.BigInteger, nullable=False, server_default="0"),
+    )
+    postgres = op.get_bind().dialect.name == "postgresql"
+    if postgres:
+        _postgres_triggers()
+    else:
+        _sqlite_triggers()
+    # After the triggers: PostgreSQL's CREATE TRIGGER holds writers off until this
+    # transaction commits, so no task changes between the count and the triggers.
+    op.execute(
+        "INSERT INTO task_counts (agent, status, shard, n) "
+        "SELECT agent, status, 0, COUNT(*) FROM bus_commands GROUP BY agent, status"
+    )
+    for name, where in FINISHED.items():
+        clause = sa.text(where)
+        op.create_index(
+            name, "bus_commands", ["updated_at"], sqlite_where=clause, postgresql_where=clause
+        )
+
+
+def downgrade() -> None:
+    for name in FINISHED:
+        op.drop_index(name, "bus_commands")
+    if op.get_bind().dialect.name == "postgresql":
+        for trigger in ("count_tasks_added", "count_tasks_gone", "count_tasks_moved"):
+            op.execute(f"DROP TRIGGER IF EXISTS {trigger} ON bus_commands")
+        op.execute("DROP TRIGGER IF EXISTS count_tasks_truncated ON bus_commands")
+        for function in ("added", "gone", "moved", "truncated"):
+            op.execute(f"DROP FUNCTION IF EXISTS agentbus_count_tasks_{function}()")
+    else:
+        for trigger in ("count_tasks_added", "count_tasks_gone", "count_tasks_moved"):
+            op.execute(f"DROP TRIGGER IF EXISTS {trigger}")
+    op.drop_table("task_counts")
+
+
+def _sqlite_triggers() -> None:
+    one = "(NEW.agent, NEW.status, 0, 1)"
+    gone = "(OLD.agent, OLD.status, 0, -1)"
+    op.execute(
+        "CREATE TRIGGER count_tasks_added AFTER INSERT ON bus_commands "
+        f"BEGIN {UPSERT.format(rows=one)}; END"
+    )
+    op.execute(
+        "CREATE TRIGGER count_tasks_gone AFTER DELETE ON bus_commands "
+        f"BEGIN {UPSERT.format(rows=gone)}; END"
+    )
+    op.execute(
+        "CREATE TRIGGER count_tasks_moved AFTER UPDATE OF status, agent ON bus_commands "
+        f"WHEN {CHANGED.replace('IS DISTINCT FROM', 'IS NOT')} "
+        f"BEGIN {UPSERT.format(rows=gone)}; {UPSERT.format(rows=one)}; END"
+    )
+
+
+def _postgres_triggers() -> None:
+    """Inserts and deletes are counted once a statement (an enqueue of many, a retention
+    batch), from the statement's rows; a change of state once a row, only when the
+    state or the agent changed (a heartbeat fires nothing)."""
+    pid = "pg_backend_pid()"
+    by_statement = (
+        "INSERT INTO task_counts (agent, status, shard, n) "
+        "SELECT agent, status, {pid}, {sign} COUNT(*) FROM {rows} GROUP BY agent, status "
+        "ON CONFLICT (agent, status, shard) DO UPDATE SET n = task_counts.n + excluded.n"
+    )
+    functions = {
+        "added": by_statement.format(pid=pid, sign="", rows="added"),
+        "gone": by_statement.format(pid=pid, sign="-", rows="gone"),
+        "moved": UPSERT.format(
+            rows=f"(OLD.agent, OLD.status, {pid}, -1), (NEW.agent, NEW.status, {pid}, 1)"
+        ),
+        "truncated": "DELETE FROM task_counts",
+    }
+    for name, body in functions.items():
+        op.execute(
+            f"CREATE FUNCTION agentbus_count_tasks_{name}() RETURNS trigger "
+            f"LANGUAGE plpgsql AS $$ BEGIN {body}; RETURN NULL; END $$"
+        )
+    op.execute(
+        "CREATE TRIGGER count_tasks_added AFTER INSERT ON bus_commands "
+        "REFERENCING NEW TABLE AS added FOR EACH STATEMENT "
+        "EXECUTE FUNCTION agentbus_count_tasks_added()"
+    )
+    op.execute(
+        "CREATE TRIGGER count_tasks_gone AFTER DELETE ON bus_commands "
+        "REFERENCING OLD TABLE AS gone FOR EACH STATEMENT "
+        "EXECUTE FUNCTION agentbus_count_tasks_gone()"
+    )
+    op.execute(
+        "CREATE TRIGGER count_tasks_moved AFTER UPDATE OF status, agent ON bus_commands "
+        f"FOR EACH ROW WHEN ({CHANGED}) EXECUTE FUNCTION agentbus_count_tasks_moved()"
+    )
+    op.execute(
+        "CREATE TRIGGER count_tasks_truncated AFTER TRUNCATE ON bus_commands "
+        "FOR EACH STATEMENT EXECUTE FUNCTION agentbus_count_tasks_truncated()"
+    )
