@@ -124,6 +124,16 @@ task_events = sa.Table(
 )
 sa.Index("ix_task_events_task", task_events.c.task_id, task_events.c.id)
 sa.Index("ix_task_events_at", task_events.c.at)
+#: The events a pause begins or ends, by time: the workspace's latest events.
+PAUSE_EVENTS = sa.or_(
+    task_events.c.to_status == sa.literal_column("'paused'"),
+    task_events.c.from_status == sa.literal_column("'paused'"),
+)
+sa.Index(
+    "ix_task_events_paused_at",
+    task_events.c.at,
+    sqlite_where=sa.text("to_status = 'paused' OR from_status = 'paused'"),
+)
 
 model_cooldown = sa.Table(
     "model_cooldown",

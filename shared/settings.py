@@ -186,7 +186,8 @@ class Settings:
         "How often a worker looks whether its config file changed (then reloads it).", 1.0
     )
     route_retention_sec: float = _doc(
-        "Routing history rows are deleted after this long (0 keeps them).", 604800.0
+        "Routing history rows and workspace events are deleted after this long (0 keeps them).",
+        604800.0,
     )
     client_budget: int = _doc(
         "With no_workspace_budget: this process's named client slots (one per provider in "

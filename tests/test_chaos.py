@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from agentbus.db import Database
-from agentbus.queue import TaskQueue, reads
+from agentbus.queue import TaskQueue, reads, retention
 from agentbus.queue.tasks import TaskSpec
+from agentbus.schema import bus_commands
+from tests import shown_counts
 from tests.support import Proc, script, wait_until
 
 pytestmark = pytest.mark.process
@@ -32,6 +36,29 @@ def test_short_chaos_run_loses_nothing(db_url: str, tmp_path: Path) -> None:
     assert report.kills >= 5
     assert report.ok, report.lines()
     assert sum(report.statuses.values()) == 300
+    # Every count operators read is the table's, after the kills, and after cancels,
+    # retries, resumes and retention on top.
+    db = Database(db_url)
+    assert shown_counts.differences(db) == []
+    queue = TaskQueue(db)
+    by_state = {
+        state: db.read(
+            lambda conn, s=state: (
+                conn.execute(sa.select(bus_commands.c.id).where(bus_commands.c.status == s))
+                .scalars()
+                .all()
+            )
+        )
+        for state in ("paused", "failed", "done")
+    }
+    assert queue.cancel(by_state["paused"][:3], by="test") or not by_state["paused"]
+    for task_id in by_state["failed"][:3]:
+        queue.retry(task_id)
+    queue.resume(by_state["paused"][3:])
+    gone = retention.prune(db, time.time() + 1e6, done_sec=1, failed_sec=1, batch=20, max_batches=2)
+    assert gone > 0
+    assert shown_counts.differences(db) == []
+    db.dispose()
 
 
 @pytest.mark.parametrize("slots", [1, 3])

@@ -11,25 +11,17 @@ from collections import Counter
 import pytest
 import sqlalchemy as sa
 
+from agentbus.admin import observe
+from agentbus.admission import workspace_events
 from agentbus.db import Database
 from agentbus.queue import Settlement, TaskQueue, counts, reads, retention
 from agentbus.queue.decisions import Complete, Fail, Pause
 from agentbus.queue.tasks import TaskSpec
-from agentbus.schema import bus_commands as t
 from agentbus.schema import task_counts
+from tests.shown_counts import grouped
 from tests.support import FakeClock
 
 AGENTS = ("a", "b", "c")
-
-
-def grouped(db: Database) -> Counter[tuple[str, str]]:
-    """The counts as the whole table says, for comparison."""
-    rows = db.read(
-        lambda conn: conn.execute(
-            sa.select(t.c.status, t.c.agent, sa.func.count()).group_by(t.c.status, t.c.agent)
-        ).all()
-    )
-    return Counter({(status, agent): int(n) for status, agent, n in rows})
 
 
 def churn(queue: TaskQueue, clock: FakeClock, rng: random.Random, rounds: int) -> None:
@@ -134,3 +126,28 @@ def test_a_truncate_empties_the_counts(queue: TaskQueue) -> None:
     assert reads.counts(queue.db) == Counter({("queued", "a"): 3})
     queue.db.write(lambda conn: conn.exec_driver_sql("TRUNCATE bus_commands"))
     assert reads.counts(queue.db) == Counter()
+
+
+def test_the_next_task_due_is_what_each_agents_workers_claim_next(
+    queue: TaskQueue, clock: FakeClock
+) -> None:
+    """Status's ``oldest_queued_age``: since when each agent's next task has been due;
+    tasks not yet due, and agents with none due, are left out."""
+    queue.enqueue(TaskSpec(agent="a", command="first"))
+    clock.advance(20)
+    queue.enqueue(TaskSpec(agent="a", command="second"))
+    queue.enqueue(TaskSpec(agent="b", command="later", delay_sec=600))
+    clock.advance(10)
+    seen = queue.db.read(lambda conn: observe.observe(conn, clock.now, 60))
+    assert seen["oldest_queued_age"] == {"a": 30.0}
+
+
+def test_the_budgets_refusals_are_counted_as_their_events_are_written(db: Database) -> None:
+    """``budget_refused``: the names each refused_batch event refused, added up by a
+    trigger; other events and an event without a count add nothing."""
+    details = [("refused_batch", {"count": 2}), ("refused_batch", {"count": 3})]
+    details += [("budget_warning", {"count": 7}), ("refused_batch", {"names": []})]
+    for kind, detail in details:
+        db.write(lambda conn, k=kind, d=detail: workspace_events.emit(conn, k, 1.0, detail=d))
+    seen = db.read(lambda conn: observe.observe(conn, 1.0, 60))
+    assert seen["counters"]["budget_refused"] == {"": 5}

@@ -178,3 +178,56 @@ def test_kpi_sql_runs_in_the_real_clients(db: Database, db_url: str, clock: Fake
     assert "|paused_tasks" not in out  # one value per line, not a header in sqlite mode
     lines = [line for line in out.splitlines() if line.strip()]
     assert any(line.strip() == "1" for line in lines)  # the paused count
+
+
+def test_the_names_are_the_views(db: Database) -> None:
+    """kpi.META, read instead of running kpi_summary for its names, is the view's text."""
+    with db.engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT kpi, name, meaning, target FROM kpi_summary")).all()
+    assert {r.kpi: (r.name, r.meaning, r.target) for r in rows} == kpi.META
+
+
+def test_kpi_1_over_a_window_counts_what_the_view_does(db: Database) -> None:
+    """KPI 1 over a window has its own query (the view's window reads all of route_log):
+    claims whose rows straddle the window's start count as the view counts them."""
+    routes = [  # task, token, decision, outcome, at
+        (1, 1, "skip", None, 10.0),
+        (1, 1, "call", "rate_limited", 20.0),
+        (2, 1, "skip", None, 10.0),
+        (2, 1, "call", "ok", 20.0),
+        (3, 1, "refuse", None, 15.0),
+        (4, 1, "skip", None, 30.0),
+        (5, 2, "call", "timeout", 5.0),
+        (5, 2, "skip", None, 25.0),
+    ]
+    ends = [(1, 1, "paused", 21.0), (2, 1, "done", 21.0), (3, 1, "failed", 16.0)]
+    ends.append((5, 2, "paused", 26.0))
+    with db.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO route_log (task_id, claim_token, agent, model, decision, outcome,"
+                " at) VALUES (:t, :k, 'a', 'sim/a', :d, :o, :at)"
+            ),
+            [dict(zip(("t", "k", "d", "o", "at"), r, strict=True)) for r in routes],
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO task_events (task_id, claim_token, from_status, to_status, at)"
+                " VALUES (:t, :k, 'claimed', :s, :at)"
+            ),
+            [dict(zip(("t", "k", "s", "at"), e, strict=True)) for e in ends],
+        )
+    seen = set()
+    with db.engine.connect() as conn:
+        for since in (0.0, 5.0, 10.0, 15.0, 16.0, 20.0, 21.0, 25.0, 30.0, 31.0):
+            by_view = conn.execute(
+                sa.text(
+                    "SELECT COUNT(CASE WHEN outcome = 'paused' THEN 1 END), COUNT(outcome)"
+                    " FROM kpi_cooldown_hits WHERE at >= :since"
+                ),
+                {"since": since},
+            ).one()
+            k1 = kpi.compute(db, since=since)[0]
+            assert (k1.numerator, k1.denominator) == tuple(by_view), since
+            seen.add(tuple(by_view))
+    assert {(2, 3), (1, 1), (0, 0)} <= seen

@@ -78,18 +78,8 @@ def test_a_paused_task_with_no_usable_resume_time(
         assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert f"malformed: {why}" in run_busctl("--db", db_url, "show", str(task_id)).stdout
     assert f"[malformed: {why}]" in run_busctl("--db", db_url, "tasks").stdout
-    assert why in run_busctl("--db", db_url, "status").stdout
-    doc = status.snapshot(db, Settings())
-    assert doc["malformed"]["counts"]["bus_commands"] == 1
-    assert doc["malformed"]["rows"][0] == {
-        "table": "bus_commands",
-        "key": task_id,
-        "problem": why,
-        "status": "paused",
-        "agent": "codex",
-    }
     assert httpx.get(f"{served}/workspace/status", timeout=10).status_code == 200
-    assert malformed_gauge(served)["bus_commands"] == 1
+    assert malformed_gauge(served)["bus_commands"] == 0  # the sweeper's to find, once a pass
 
     sweep = jobs.Sweep(db, LiveConfig.fixed(Settings()))
     first = run_once(sweep)
@@ -104,7 +94,20 @@ def test_a_paused_task_with_no_usable_resume_time(
         "failed",
         "malformed",
     )
+    assert why in run_busctl("--db", db_url, "status").stdout
+    doc = status.snapshot(db, Settings())
+    assert doc["malformed"]["counts"]["bus_commands"] == 1
+    assert doc["malformed"]["rows"][0] == {
+        "table": "bus_commands",
+        "key": task_id,
+        "problem": why,
+        "status": "failed",
+        "agent": "codex",
+    }
+    assert malformed_gauge(served)["bus_commands"] == 1
     assert run_once(sweep)["malformed_failed"] == 0  # once: an ended task is not looked at again
+    assert malformed_gauge(served)["bus_commands"] == 1  # until an operator resolves the todo
+    db.write(lambda conn: conn.execute(sa.update(ops_todos).values(resolved_at=1.0)))
     assert malformed_gauge(served)["bus_commands"] == 0
 
 

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from agentbus.admin.observe import RECENT_FAILED
+from agentbus.admin.observe import RECENT_FAILED, next_due
+from agentbus.admission import workspace_events
 from agentbus.db import Database
 from agentbus.queue import retention
 from agentbus.queue.states import TaskStatus
@@ -76,3 +77,28 @@ def test_the_last_failures_are_the_start_of_their_index(finished: Database) -> N
     assert "ix_bus_commands_failed_at" in text, text
     assert reads_no_whole_table(text), text
     assert "TEMP B-TREE" not in text and "Sort" not in text, text
+
+
+def test_the_latest_pause_events_are_the_end_of_their_index(finished: Database) -> None:
+    """The workspace's latest pauses and resumes (status, the dashboard): the end of their
+    partial index on time, never the whole event log read backwards."""
+    with finished.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO task_events (task_id, from_status, to_status, at)"
+                " VALUES (:i, 'queued', 'claimed', :i)"
+            ),
+            [{"i": i} for i in range(5000)],
+        )
+        conn.exec_driver_sql("ANALYZE")
+    text = plan(finished, workspace_events.pause_events(workspace_events.TASK_KINDS, None, 20))
+    assert "ix_task_events_paused_at" in text, text
+    assert not re.search(r"SCAN task_events(?! USING)|Seq Scan", text), text
+
+
+def test_each_agents_next_task_is_the_head_of_the_claim_index(finished: Database) -> None:
+    """How long each agent's next task has been due: one read of the claim's index per
+    agent with queued tasks."""
+    text = plan(finished, next_due(1e10))
+    assert "ix_bus_commands_claim" in text, text
+    assert reads_no_whole_table(text), text

@@ -6,6 +6,7 @@ import pytest
 import sqlalchemy as sa
 from structlog.testing import capture_logs
 
+from agentbus.admission import workspace_events
 from agentbus.admission.routing import Route
 from agentbus.config import LiveConfig, Settings
 from agentbus.db import Database
@@ -13,7 +14,16 @@ from agentbus.errors import TransitionRejected
 from agentbus.queue import reads
 from agentbus.queue import workers as worker_rows
 from agentbus.queue.tasks import TaskSpec
-from agentbus.schema import call_slots, model_cooldown, ops_todos, route_log, task_events, workers
+from agentbus.schema import (
+    bus_counters,
+    bus_events,
+    call_slots,
+    model_cooldown,
+    ops_todos,
+    route_log,
+    task_events,
+    workers,
+)
 from agentbus.sweeper import jobs
 from agentbus.sweeper.policy import DueTask, plan_resume
 from tests.support import FakeClock
@@ -306,13 +316,22 @@ def test_old_routing_history_and_spent_call_slots_are_purged(
             ],
         )
     )
+    db.write(
+        lambda conn: workspace_events.emit(conn, "refused_batch", clock.now, detail={"count": 2})
+    )
     clock.advance(61)
     assert jobs.purge(s) == {"purged": 0, "slots_purged": 1}
     clock.advance(3600)
+    db.write(lambda conn: workspace_events.emit(conn, "budget_warning", clock.now))
     jobs.prune(s)
     with db.engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(route_log)).scalar() == 0
         assert conn.execute(sa.select(sa.func.count()).select_from(call_slots)).scalar() == 1
+        # workspace events go with the routing history; what they counted stays
+        kinds = conn.execute(sa.select(bus_events.c.kind)).scalars().all()
+        assert kinds == ["budget_warning"]
+        counted = sa.select(bus_counters.c.value).where(bus_counters.c.name == "budget_refused")
+        assert conn.execute(counted).scalar() == 2
     assert reads.get_task(db, task.id).status == "done"  # the task itself is kept longer
 
 

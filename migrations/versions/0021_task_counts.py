@@ -17,7 +17,12 @@ at a time and keeps shard 0 only.
 
 The finished tasks get partial indexes on ``updated_at`` (done; failed and error;
 cancelled): retention finds the tasks past their time, and status the last failures,
-through them instead of reading every finished task.
+through them instead of reading every finished task. The events of pauses and resumes
+get one on ``at``: the workspace's latest events are the end of it, where before the
+event log was read backwards until enough pauses turned up (all of it, in a fleet that
+had none). The client budget's refusals, which status added up from every
+``refused_batch`` event ever written, are a counter of ``bus_counters``
+(``budget_refused``), kept by a trigger on ``bus_events`` as 0012's are.
 
 Revision ID: 0021
 Revises: 0020
@@ -43,6 +48,19 @@ FINISHED = {
 UPSERT = (
     "INSERT INTO task_counts (agent, status, shard, n) VALUES {rows} "
     "ON CONFLICT (agent, status, shard) DO UPDATE SET n = task_counts.n + excluded.n"
+)
+#: task_events: the events a pause begins or ends (``workspace_events.recent``)
+PAUSE_EVENTS = "to_status = 'paused' OR from_status = 'paused'"
+#: bus_events: the names a refused_batch event refused (its detail's count)
+REFUSED = {
+    "postgresql": "CASE WHEN json_typeof({d} -> 'count') = 'number' "
+    "THEN ({d} ->> 'count')::numeric::bigint ELSE 0 END",
+    "sqlite": "CASE WHEN json_valid({d}) AND json_type({d}, '$.count') IN ('integer', 'real') "
+    "THEN CAST(json_extract({d}, '$.count') AS INTEGER) ELSE 0 END",
+}
+COUNT_REFUSED = (
+    "INSERT INTO bus_counters (name, label, value) {source} "
+    "ON CONFLICT (name, label) DO UPDATE SET value = bus_counters.value + excluded.value"
 )
 CHANGED = "OLD.status IS DISTINCT FROM NEW.status OR OLD.agent IS DISTINCT FROM NEW.agent"
 
@@ -71,9 +89,24 @@ def upgrade() -> None:
         op.create_index(
             name, "bus_commands", ["updated_at"], sqlite_where=clause, postgresql_where=clause
         )
+    _count_refusals(op.get_bind().dialect.name)
+    paused = sa.text(PAUSE_EVENTS)
+    op.create_index(
+        "ix_task_events_paused_at",
+        "task_events",
+        ["at"],
+        sqlite_where=paused,
+        postgresql_where=paused,
+    )
 
 
 def downgrade() -> None:
+    op.drop_index("ix_task_events_paused_at", "task_events")
+    postgres = op.get_bind().dialect.name == "postgresql"
+    op.execute("DROP TRIGGER IF EXISTS count_bus_events" + (" ON bus_events" if postgres else ""))
+    if postgres:
+        op.execute("DROP FUNCTION IF EXISTS agentbus_count_bus_events()")
+    op.execute("DELETE FROM bus_counters WHERE name = 'budget_refused'")
     for name in FINISHED:
         op.drop_index(name, "bus_commands")
     if op.get_bind().dialect.name == "postgresql":
@@ -147,3 +180,32 @@ def _postgres_triggers() -> None:
         "CREATE TRIGGER count_tasks_truncated AFTER TRUNCATE ON bus_commands "
         "FOR EACH STATEMENT EXECUTE FUNCTION agentbus_count_tasks_truncated()"
     )
+
+
+def _count_refusals(dialect: str) -> None:
+    """``budget_refused``: from the events there are, then kept by a trigger."""
+    seed = REFUSED[dialect].format(d="detail")
+    op.execute(
+        COUNT_REFUSED.format(
+            source=f"SELECT 'budget_refused', '', COALESCE(SUM({seed}), 0) FROM bus_events "
+            "WHERE kind = 'refused_batch'"
+        )
+    )
+    new = REFUSED[dialect].format(d="NEW.detail")
+    when = "NEW.kind = 'refused_batch'"
+    if dialect == "postgresql":
+        body = COUNT_REFUSED.format(source=f"VALUES ('budget_refused', '', {new})")
+        op.execute(
+            "CREATE FUNCTION agentbus_count_bus_events() RETURNS trigger LANGUAGE plpgsql "
+            f"AS $$ BEGIN {body}; RETURN NULL; END $$"
+        )
+        op.execute(
+            "CREATE TRIGGER count_bus_events AFTER INSERT ON bus_events FOR EACH ROW "
+            f"WHEN ({when}) EXECUTE FUNCTION agentbus_count_bus_events()"
+        )
+    else:
+        body = COUNT_REFUSED.format(source=f"SELECT 'budget_refused', '', {new} WHERE true")
+        op.execute(
+            f"CREATE TRIGGER count_bus_events AFTER INSERT ON bus_events WHEN {when} "
+            f"BEGIN {body}; END"
+        )

@@ -1,5 +1,5 @@
-"""What operators watch, read cheaply: the monotonic counters, the age of each agent's
-oldest queued task, live workers per agent, token and cost totals, the tasks that
+"""What operators watch, read cheaply: the monotonic counters, how long each agent's
+next task has been due, live workers per agent, token and cost totals, the tasks that
 failed lately, and the last hour minute by minute.
 
 Every read here costs what the rows that matter cost, not the history: counters
@@ -18,7 +18,7 @@ from agentbus import process_metrics
 from agentbus.queue.statements import in_state, in_states
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_commands as t
-from agentbus.schema import bus_counters, task_events, usage_daily, workers
+from agentbus.schema import bus_counters, task_counts, task_events, usage_daily, workers
 
 RECENT_FAILURES = 20
 HOUR = 3600.0
@@ -39,13 +39,7 @@ def observe(conn: Connection, now: float, stale_sec: float) -> dict[str, Any]:
         sa.select(bus_counters.c.name, bus_counters.c.label, bus_counters.c.value)
     ):
         counters.setdefault(name, {})[label] = int(value)
-    oldest: dict[str, float | None] = dict(
-        conn.execute(
-            sa.select(t.c.agent, sa.func.min(t.c.created_at))
-            .where(in_state(TaskStatus.QUEUED), t.c.run_after <= now)
-            .group_by(t.c.agent)
-        ).all()
-    )
+    oldest = {a: due for a, due in conn.execute(next_due(now)).all() if due is not None}
     live: dict[str, int] = dict(
         conn.execute(
             sa.select(workers.c.agent, sa.func.count())
@@ -63,7 +57,7 @@ def observe(conn: Connection, now: float, stale_sec: float) -> dict[str, Any]:
     failed = conn.execute(RECENT_FAILED).all()
     return {
         "counters": counters,
-        "oldest_queued_age": {a: max(0.0, now - (c or now)) for a, c in sorted(oldest.items())},
+        "oldest_queued_age": {a: max(0.0, now - due) for a, due in sorted(oldest.items())},
         "live_workers": {a: int(n) for a, n in sorted(live.items())},
         "usage_totals": [
             {"model": m, "tokens": int(tok or 0), "cost": float(cost or 0.0)}
@@ -82,6 +76,29 @@ def observe(conn: Connection, now: float, stale_sec: float) -> dict[str, Any]:
         "last_hour": last_hour(conn, now),
         "observations": process_metrics.read(conn),
     }
+
+
+def next_due(now: float) -> sa.Select[Any]:
+    """(agent, since when its next task has been due) for each agent with queued tasks:
+    the head of the claim's own index (``ix_bus_commands_claim``), the task its workers
+    take next. With one priority that is the task that has waited longest; higher
+    priorities come first, as the claim takes them. One index read per agent, however
+    many tasks wait (the oldest by creation read every queued task)."""
+    queued = (
+        sa.select(task_counts.c.agent)
+        .where(task_counts.c.status == TaskStatus.QUEUED.value)
+        .group_by(task_counts.c.agent)
+        .having(sa.func.sum(task_counts.c.n) > 0)
+        .subquery()
+    )
+    head = (
+        sa.select(t.c.run_after)
+        .where(in_state(TaskStatus.QUEUED), t.c.agent == queued.c.agent, t.c.run_after <= now)
+        .order_by(t.c.priority.desc(), t.c.run_after, t.c.id)
+        .limit(1)
+        .scalar_subquery()
+    )
+    return sa.select(queued.c.agent, head)
 
 
 def last_hour(conn: Connection, now: float) -> dict[str, list[int]]:

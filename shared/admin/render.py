@@ -76,7 +76,10 @@ def status(doc: dict[str, Any], settings: Settings) -> str:
     bad = doc["malformed"]
     if any(bad["counts"].values()):
         counted = ", ".join(f"{n} in {table}" for table, n in bad["counts"].items() if n)
-        out.append(f"\nmalformed rows ({counted}): the sweeper fails such a task, deletes the rest")
+        out.append(
+            f"\nmalformed rows ({counted}): tasks the sweeper failed (their todo open), "
+            "cooldowns and worker rows it deletes at its next pass"
+        )
         out.append(
             cli.table(
                 ["table", "key", "problem"],

@@ -109,7 +109,8 @@ class SnapshotCollector(Collector):
         yield _labelled(
             GaugeMetricFamily(
                 "agentbus_queue_oldest_age_seconds",
-                "Age of the oldest due queued task, per agent.",
+                "How long the next queued task has been due, per agent (one priority: the "
+                "longest wait).",
                 labels=["agent"],
             ),
             doc["oldest_queued_age"],

@@ -18,17 +18,19 @@ from agentbus.queue import events, malformed, reads
 from agentbus.queue.statements import in_state
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_commands as t
-from agentbus.schema import bus_events, route_log, task_events, workers
+from agentbus.schema import route_log, task_events, workers
 
 DUE_SOON = 20  # paused tasks listed, soonest first
+KPI_WINDOW_SEC = 3600.0  # the KPIs shown: the last hour's (busctl kpi: any window, all time)
 RECENT_REFUSALS = 20  # refused or skipped candidates listed, newest first
 
 
 def snapshot(
     db: Database, settings: Settings, now: float | None = None, *, kpis: bool = True
 ) -> dict[str, Any]:
-    """The status document. ``kpis`` False leaves out the KPIs (their views read the
-    whole history: /metrics does without them)."""
+    """The status document. Its KPIs are the last hour's (``KPI_WINDOW_SEC``: read through
+    the time indexes, what a dashboard that polls can afford); ``kpis`` False leaves them
+    out (/metrics keeps its own)."""
     now = db.clock() if now is None else now
     budget = client_budget(db, settings, holder="status")
     counts = reads.counts(db)
@@ -55,6 +57,8 @@ def snapshot(
         **doc,
         **seen,
         "unserved": observe.unserved(queue, seen["live_workers"]),
+        # names the client budget refused, ever (a counter: retention leaves it)
+        "budget_refused": seen["counters"].get("budget_refused", {}).get("", 0),
         "malformed": bad,
         "cooldowns": [
             {
@@ -74,7 +78,8 @@ def snapshot(
             for c in reads.circuit_states(db)
         ],
         "usage_today": reads.usage_by_day(db, now),
-        "kpis": [k.as_dict() for k in kpi.compute(db)] if kpis else [],
+        "kpis": [k.as_dict() for k in kpi.compute(db, now - KPI_WINDOW_SEC)] if kpis else [],
+        "kpis_since": now - KPI_WINDOW_SEC,
         "events": workspace_events.recent(db, limit=20),
     }
 
@@ -101,9 +106,6 @@ def _tables(conn: Connection, now: float) -> dict[str, Any]:
         .order_by(route_log.c.id.desc())
         .limit(RECENT_REFUSALS)
     ).all()
-    refused_names = conn.execute(
-        sa.select(bus_events.c.detail).where(bus_events.c.kind == "refused_batch")
-    ).scalars()
     return {
         "paused_due_soon": [
             {
@@ -144,7 +146,6 @@ def _tables(conn: Connection, now: float) -> dict[str, Any]:
             }
             for w in beats
         ],
-        "budget_refused": sum(int((d or {}).get("count", 0)) for d in refused_names),
     }
 
 

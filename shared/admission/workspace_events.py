@@ -20,7 +20,7 @@ from agentbus import masking
 from agentbus.db import Database
 from agentbus.logging import get_logger, when
 from agentbus.queue.states import TaskStatus
-from agentbus.schema import bus_events, task_events
+from agentbus.schema import PAUSE_EVENTS, bus_events, task_events
 
 log = get_logger("agentbus.events")
 WORKSPACE = "workspace"
@@ -64,25 +64,7 @@ def recent(
         rows = [dict(r._mapping) for r in conn.execute(q)]
         wanted = [k for k in TASK_KINDS if not kinds or k in kinds]
         if wanted:
-            e = task_events
-            kind = sa.case(
-                (e.c.to_status == PAUSED, "paused"),
-                (e.c.reason == "demoted", "demoted"),
-                else_="resumed",
-            )
-            conditions = {
-                "paused": e.c.to_status == PAUSED,
-                "resumed": sa.and_(e.c.from_status == PAUSED, e.c.to_status == TaskStatus.QUEUED),
-                "demoted": sa.and_(e.c.from_status == PAUSED, e.c.reason == "demoted"),
-            }
-            q2 = (
-                sa.select(e.c.id, e.c.at, kind.label("kind"), e.c.task_id, e.c.reason, e.c.worker)
-                .where(sa.or_(*(conditions[k] for k in wanted)))
-                .order_by(e.c.at.desc())
-                .limit(limit)
-            )
-            if since is not None:
-                q2 = q2.where(e.c.at > since)
+            q2 = pause_events(wanted, since, limit)
             for r in conn.execute(q2):
                 rows.append(
                     {
@@ -98,3 +80,24 @@ def recent(
         return rows[-limit:]
 
     return db.read(work)
+
+
+def pause_events(wanted: Collection[str], since: float | None, limit: int) -> sa.Select[Any]:
+    """The newest task events of the ``wanted`` kinds (paused, resumed, demoted), newest
+    first: the end of their partial index on time (``PAUSE_EVENTS``)."""
+    e = task_events
+    kind = sa.case(
+        (e.c.to_status == PAUSED, "paused"), (e.c.reason == "demoted", "demoted"), else_="resumed"
+    )
+    conditions = {
+        "paused": e.c.to_status == PAUSED,
+        "resumed": sa.and_(e.c.from_status == PAUSED, e.c.to_status == TaskStatus.QUEUED),
+        "demoted": sa.and_(e.c.from_status == PAUSED, e.c.reason == "demoted"),
+    }
+    query = (
+        sa.select(e.c.id, e.c.at, kind.label("kind"), e.c.task_id, e.c.reason, e.c.worker)
+        .where(PAUSE_EVENTS, sa.or_(*(conditions[k] for k in wanted)))
+        .order_by(e.c.at.desc())
+        .limit(limit)
+    )
+    return query if since is None else query.where(e.c.at > since)

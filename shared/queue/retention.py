@@ -5,8 +5,9 @@ after ``failed_retention_sec`` (30 days) so operators can still retry them.
 Idempotency keys live ``key_retention_sec`` (30 days) from their enqueue, in
 their own table, whatever became of the task: a key enqueued again within
 that time names its first task and runs nothing.
-0 keeps them forever. Routing history older than ``route_retention_sec`` goes
-too. Deletes go in batches so no transaction grows large.
+0 keeps them forever. Routing history and workspace events (``bus_events``) older
+than ``route_retention_sec`` go too (what the events counted stays in
+``bus_counters``). Deletes go in batches so no transaction grows large.
 
 Tasks that were in the older system's bus_commands when agentbus adopted it
 (ids up to ``adopted_tables.max_id``) are the operators' history, not
@@ -24,7 +25,7 @@ from sqlalchemy.engine import Connection
 from agentbus.db import Database
 from agentbus.queue.statements import in_states
 from agentbus.queue.states import TaskStatus
-from agentbus.schema import adopted_tables, cooldown_history, route_log
+from agentbus.schema import adopted_tables, bus_events, cooldown_history, route_log
 from agentbus.schema import bus_commands as t
 from agentbus.schema import idempotency_keys as keys
 from agentbus.schema import task_events as ev
@@ -64,8 +65,9 @@ def prune(
             if gone < batch:
                 break
     old: list[tuple[sa.Column[Any], sa.ColumnElement[bool]]] = []
-    if routes_sec > 0:  # the routing history of tasks still kept goes too, once old
+    if routes_sec > 0:  # the routing history of tasks still kept goes too, once old,
         old.append((route_log.c.id, route_log.c.at < now - routes_sec))
+        old.append((bus_events.c.id, bus_events.c.at < now - routes_sec))  # and events
     if keys_sec > 0:  # idempotency keys: kept longer than the tasks they named
         old.append((keys.c.key, keys.c.created_at < now - keys_sec))
     kept = [keep for keep in (done_sec, failed_sec) if keep > 0]
