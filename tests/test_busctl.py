@@ -339,3 +339,26 @@ def test_kpi_sql_is_printed_without_a_database(tmp_path: Path, run_busctl: Run) 
     assert out.returncode == 0, out.stderr
     assert "kpi_summary" in out.stdout
     assert not (tmp_path / "none.db").exists()
+
+
+def test_tasks_come_a_page_at_a_time(db_url: str, run_busctl: Run) -> None:
+    """``busctl tasks`` pages back by id (``--before`` the last id shown), with or
+    without a state."""
+    db = Database(db_url)
+    queue = TaskQueue(db)
+    ids = queue.enqueue_many([TaskSpec(agent="a", command=f"t{i}") for i in range(7)])
+    claimed = sorted(task.id for task in queue.claim("a", "w", 30, 2))
+    db.dispose()
+
+    def page(*args: str) -> list[int]:
+        done = run_busctl("--db", db_url, "tasks", "--limit", "3", "--json", *args)
+        assert done.returncode == 0, done.stderr
+        return [task["id"] for task in json.loads(done.stdout)]
+
+    newest = ids[::-1]
+    assert page() == newest[:3]
+    assert page("--before", str(newest[2])) == newest[3:6]
+    assert page("--before", str(newest[5])) == newest[6:]
+    assert page("--status", "claimed") == claimed[::-1]
+    queued = [i for i in newest if i not in claimed]
+    assert page("--status", "queued", "--before", str(queued[0])) == queued[1:4]

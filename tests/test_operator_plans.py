@@ -13,8 +13,9 @@ import sqlalchemy as sa
 from agentbus.admin.observe import RECENT_FAILED, next_due
 from agentbus.admission import workspace_events
 from agentbus.db import Database
-from agentbus.queue import retention
+from agentbus.queue import malformed, retention
 from agentbus.queue.states import TaskStatus
+from agentbus.schema import bus_commands
 
 
 @pytest.fixture
@@ -39,12 +40,15 @@ def finished(db: Database) -> Database:
 
 
 def plan(db: Database, statement: Any) -> str:
-    sql = str(statement.compile(db.engine, compile_kwargs={"literal_binds": True}))
+    """The plan of ``statement`` as the code runs it, with its values bound."""
+    compiled = statement.compile(db.engine, compile_kwargs={"render_postcompile": True})
+    values = compiled.construct_params()
     with db.engine.connect() as conn:
         if db.dialect == "sqlite":
-            rows = conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql)
+            args = tuple(values[name] for name in compiled.positiontup)
+            rows = conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled}", args)
             return "\n".join(str(r[-1]) for r in rows)
-        return "\n".join(r[0] for r in conn.exec_driver_sql("EXPLAIN " + sql))
+        return "\n".join(r[0] for r in conn.exec_driver_sql(f"EXPLAIN {compiled}", values))
 
 
 def reads_no_whole_table(text: str) -> bool:
@@ -101,4 +105,22 @@ def test_each_agents_next_task_is_the_head_of_the_claim_index(finished: Database
     agent with queued tasks."""
     text = plan(finished, next_due(1e10))
     assert "ix_bus_commands_claim" in text, text
+    assert reads_no_whole_table(text), text
+
+
+@pytest.mark.parametrize(
+    ("state", "index"),
+    [
+        (TaskStatus.QUEUED, "ix_bus_commands_claim"),
+        (TaskStatus.PAUSED, "ix_bus_commands_paused_due"),
+        (TaskStatus.CLAIMED, "ix_bus_commands_lease"),
+    ],
+)
+def test_the_sweeper_looks_for_malformed_tasks_in_each_states_index(
+    finished: Database, state: TaskStatus, index: str
+) -> None:
+    """The sweeper's pass reads the tasks not ended for malformed values: a state at a
+    time, through its partial index, never the finished tasks."""
+    text = plan(finished, malformed.query(bus_commands, finished.dialect, state, 500))
+    assert index in text, text
     assert reads_no_whole_table(text), text

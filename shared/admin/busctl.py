@@ -252,13 +252,22 @@ def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
 @click.option("--status", type=click.Choice([s.value for s in TaskStatus]))
 @click.option("--agent")
 @click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
+@click.option(
+    "--before",
+    type=click.IntRange(1),
+    metavar="ID",
+    help="Only tasks older than this id: the next page is --before the last id shown.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
-def tasks_cmd(c: Context, status: str | None, agent: str | None, limit: int, as_json: bool) -> None:
-    """The newest tasks, optionally filtered."""
+def tasks_cmd(
+    c: Context, status: str | None, agent: str | None, limit: int, before: int | None, as_json: bool
+) -> None:
+    """The newest tasks, optionally filtered, a page at a time."""
     from agentbus.queue import reads
 
-    tasks = reads.list_tasks(c.database(), status=status, agent=agent, limit=limit)
+    db = c.database()
+    tasks = reads.list_tasks(db, status=status, agent=agent, limit=limit, before=before)
     if as_json:
         click.echo(json.dumps([t.as_dict() for t in tasks], indent=2))
         return

@@ -47,7 +47,8 @@ def read(conn: Connection) -> Counter[tuple[str, str]]:
 
 def fold(db: Database) -> int:
     """PostgreSQL: add the server processes' count rows into shard 0, then drop the rows
-    that count nothing (an agent gone); how many rows were folded. SQLite: nothing to do."""
+    that count nothing (an agent gone); how many counts of shard 0 changed. SQLite:
+    nothing to do."""
     if db.dialect != "postgresql":
         return 0
 

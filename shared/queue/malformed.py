@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.column_types import Integer, LenientJSON, Real, Text
+from agentbus.queue.statements import in_state
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import NEEDED
 from agentbus.schema import bus_commands as t
@@ -107,22 +108,33 @@ def _key(table: sa.Table) -> sa.Column[Any]:
     return key
 
 
-def _scope(table: sa.Table) -> list[Any]:
-    if table is t:
-        return [t.c.status.in_([s.value for s in ACTIVE])]
-    return []
-
-
 def found(conn: Connection, table: sa.Table, limit: int) -> list[dict[str, Any]]:
     """Up to ``limit`` malformed rows of ``table`` (tasks: those not ended), by key:
-    ``{"table", "key", "problem"}`` (tasks also ``status`` and ``agent``)."""
-    why = problem(table, conn.dialect.name).label("problem")
+    ``{"table", "key", "problem"}`` (tasks also ``status`` and ``agent``). The tasks are
+    read a state at a time through that state's partial index: the backlog, never the
+    finished tasks (SQLite read the whole table for a list of states)."""
+    if table is not t:
+        return _found(conn, table, None, limit)
+    rows = [row for state in ACTIVE for row in _found(conn, t, state, limit)]
+    return sorted(rows, key=lambda row: row["key"])[:limit]  # task ids: whole numbers
+
+
+def _found(
+    conn: Connection, table: sa.Table, state: TaskStatus | None, limit: int
+) -> list[dict[str, Any]]:
+    rows = conn.execute(query(table, conn.dialect.name, state, limit)).mappings()
+    return sorted(({"table": table.name, **row} for row in rows), key=lambda r: str(r["key"]))
+
+
+def query(table: sa.Table, dialect: str, state: TaskStatus | None, limit: int) -> sa.Select[Any]:
+    """Up to ``limit`` malformed rows of ``table`` (of tasks, those in ``state``). No
+    ORDER BY: in key order the planners read every task by key for the few of one state
+    (PostgreSQL: 0.55 s at 1 M tasks), not that state's index."""
+    why = problem(table, dialect).label("problem")
     extra = [t.c.status, t.c.agent] if table is t else []
-    inner = sa.select(_key(table).label("key"), why, *extra).where(*_scope(table)).subquery()
-    rows = conn.execute(
-        sa.select(inner).where(inner.c.problem.is_not(None)).order_by(inner.c.key).limit(limit)
-    ).mappings()
-    return [{"table": table.name, **row} for row in rows]
+    scope = [] if state is None else [in_state(state)]
+    inner = sa.select(_key(table).label("key"), why, *extra).where(*scope).subquery()
+    return sa.select(inner).where(inner.c.problem.is_not(None)).limit(limit)
 
 
 def counts(conn: Connection) -> dict[str, int]:
@@ -132,10 +144,10 @@ def counts(conn: Connection) -> dict[str, int]:
     for table in (model_cooldown, workers):
         why = problem(table, conn.dialect.name)
         inner = sa.select(why.label("problem")).subquery()
-        query = sa.select(sa.func.count()).where(inner.c.problem.is_not(None))
-        out[table.name] = int(conn.execute(query.select_from(inner)).scalar_one())
-    found = sa.select(sa.func.count()).select_from(ops_todos).where(*_OPEN)
-    out[t.name] = int(conn.execute(found).scalar_one())
+        bad = sa.select(sa.func.count()).where(inner.c.problem.is_not(None))
+        out[table.name] = int(conn.execute(bad.select_from(inner)).scalar_one())
+    failed = sa.select(sa.func.count()).select_from(ops_todos).where(*_OPEN)
+    out[t.name] = int(conn.execute(failed).scalar_one())
     return {table.name: out[table.name] for table in TABLES}
 
 

@@ -12,7 +12,10 @@ from agentbus.db import Database
 from agentbus.errors import TaskNotFound
 from agentbus.queue import counts as task_counts
 from agentbus.queue import events
+from agentbus.queue.malformed import ACTIVE as UNFINISHED
 from agentbus.queue.malformed import task_problems
+from agentbus.queue.statements import in_state
+from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import Task
 from agentbus.schema import bus_commands as t
 from agentbus.schema import circuits, route_log, workers
@@ -54,11 +57,22 @@ def live_agents(db: Database) -> set[str]:
 
 
 def list_tasks(
-    db: Database, *, status: str | None = None, agent: str | None = None, limit: int = 50
+    db: Database,
+    *,
+    status: str | None = None,
+    agent: str | None = None,
+    limit: int = 50,
+    before: int | None = None,
 ) -> list[Task]:
-    """The newest tasks, optionally of one status and/or agent."""
+    """The newest tasks (older than id ``before``: the next page), optionally of one
+    status and/or agent. A page reads back from its start by id: finished tasks are most
+    of the table, and a state not yet ended is read through its partial index."""
     stmt = sa.select(t).order_by(t.c.id.desc()).limit(limit)
-    if status is not None:
+    if before is not None:
+        stmt = stmt.where(t.c.id < before)
+    if status in UNFINISHED:
+        stmt = stmt.where(in_state(TaskStatus(status)))
+    elif status is not None:
         stmt = stmt.where(t.c.status == status)
     if agent is not None:
         stmt = stmt.where(t.c.agent == agent)
