@@ -345,6 +345,10 @@ def refusals_cmd(c: Context, limit: int, as_json: bool) -> None:
 def kpi_cmd(ctx: click.Context, since: str | None, as_json: bool, as_sql: bool) -> None:
     """The four KPIs of the cooldown design, with their targets and counts.
 
+    Without --since they count every fact kept, reading the whole event log and
+    routing history (seconds at tens of millions of rows); --since reads that window
+    through the time indexes.
+
     \b
     busctl kpi --sql | sqlite3 ops_multiagent.db
     busctl kpi --sql | psql "$DATABASE"
