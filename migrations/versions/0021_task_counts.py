@@ -74,8 +74,8 @@ def upgrade() -> None:
         sa.Column("shard", sa.BigInteger, primary_key=True, server_default="0"),
         sa.Column("n", sa.BigInteger, nullable=False, server_default="0"),
     )
-    postgres = op.get_bind().dialect.name == "postgresql"
-    if postgres:
+    dialect = op.get_bind().dialect.name
+    if dialect == "postgresql":
         _postgres_triggers()
     else:
         _sqlite_triggers()
@@ -90,7 +90,7 @@ def upgrade() -> None:
         op.create_index(
             name, "bus_commands", ["updated_at"], sqlite_where=clause, postgresql_where=clause
         )
-    _count_refusals(op.get_bind().dialect.name)
+    _count_refusals(dialect)
     paused = sa.text(PAUSE_EVENTS)
     op.create_index(
         "ix_task_events_paused_at",
@@ -110,7 +110,7 @@ def downgrade() -> None:
     op.execute("DELETE FROM bus_counters WHERE name = 'budget_refused'")
     for name in FINISHED:
         op.drop_index(name, "bus_commands")
-    if op.get_bind().dialect.name == "postgresql":
+    if postgres:
         for trigger in ("count_tasks_added", "count_tasks_gone", "count_tasks_moved"):
             op.execute(f"DROP TRIGGER IF EXISTS {trigger} ON bus_commands")
         op.execute("DROP TRIGGER IF EXISTS count_tasks_truncated ON bus_commands")
