@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus import process_metrics
-from agentbus.queue.statements import in_state, in_states
+from agentbus.queue.statements import in_state
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_commands as t
 from agentbus.schema import bus_counters, task_counts, task_events, usage_daily, workers
@@ -27,7 +27,7 @@ HOUR = 3600.0
 #: index on updated_at, read backwards.
 RECENT_FAILED = (
     sa.select(t.c.id, t.c.agent, t.c.status, t.c.last_error, t.c.updated_at)
-    .where(in_states(TaskStatus.FAILED, TaskStatus.ERROR))
+    .where(in_state(TaskStatus.FAILED, TaskStatus.ERROR))
     .order_by(t.c.updated_at.desc())
     .limit(RECENT_FAILURES)
 )

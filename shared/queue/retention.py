@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.db import Database
-from agentbus.queue.statements import in_states
+from agentbus.queue.statements import in_state
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import adopted_tables, bus_events, cooldown_history, route_log
 from agentbus.schema import bus_commands as t
@@ -110,7 +110,7 @@ def finished_before(
 ) -> sa.Select[tuple[int]]:
     """Up to ``batch`` ids of tasks in ``statuses`` that finished before ``cutoff``: a
     range of the partial index of those states on updated_at, however many finished."""
-    query = sa.select(t.c.id).where(in_states(*statuses), t.c.updated_at < cutoff)
+    query = sa.select(t.c.id).where(in_state(*statuses), t.c.updated_at < cutoff)
     if first_id > 0:  # ``id + 0``: by the index on time still, not a range of ids
         query = query.where(t.c.id + 0 >= first_id)
     return query.limit(batch)

@@ -115,20 +115,14 @@ _CLAIMED_CHANGES: dict[str, Mapping[str, Any]] = {
 }
 
 
-def in_state(status: TaskStatus) -> sa.ColumnElement[bool]:
-    """``status = '<state>'`` with the state written into the SQL, not bound. PostgreSQL
-    plans a prepared statement once for any values (a generic plan), and can read it
-    through a partial index (of the queued, claimed or paused tasks) only when the
-    statement itself names the state: bound, a claim scanned the whole table."""
-    return t.c.status == _state(status)
-
-
-def in_states(*statuses: TaskStatus) -> sa.ColumnElement[bool]:
-    """``status IN ('<state>', ...)`` with the states written into the SQL, in the order
-    given: the condition of a partial index over those states, word for word (SQLite
-    reads such an index only for a query that repeats its condition)."""
+def in_state(*statuses: TaskStatus) -> sa.ColumnElement[bool]:
+    """``status = '<state>'`` (several: ``status IN (...)``, in the order given) with the
+    states written into the SQL, not bound. PostgreSQL plans a prepared statement once
+    for any values (a generic plan), and can read it through a partial index only when
+    the statement itself names the state: bound, a claim scanned the whole table. SQLite
+    reads a partial index only for a query that repeats its condition word for word."""
     if len(statuses) == 1:
-        return in_state(statuses[0])
+        return t.c.status == _state(statuses[0])
     return t.c.status.in_([_state(s) for s in statuses])
 
 
