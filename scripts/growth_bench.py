@@ -38,7 +38,7 @@ KEEP_ALL = {
     "AGENTBUS_FAILED_RETENTION_SEC": str(60 * DAY),
 }
 
-#: path -> (its target against the small table's figure, what it is)
+#: path -> its target: the most times its small-table figure it may take (None: no target)
 TARGETS = {
     "GET /metrics": 3.0,
     "GET /workspace/status": 2.0,
