@@ -274,6 +274,10 @@ call_slots = sa.Table(
     # call is then found by number, not by reading the window's calls.
     sa.Column("account_seq", BigInteger),
     sa.Column("agent_seq", BigInteger),
+    # What the call spends of its account's token windows (tpm, itpm, otpm): the
+    # estimate until the answer reports the real figures; NULL where none counts it.
+    sa.Column("tokens_in", BigInteger),
+    sa.Column("tokens_out", BigInteger),
     sqlite_autoincrement=True,
 )
 sa.Index(
@@ -283,6 +287,14 @@ sa.Index(
     call_slots.c.account_seq,
 )
 sa.Index("ix_call_slots_agent_seq", call_slots.c.agent, call_slots.c.agent_seq)
+# A token window's calls by time (the rate windows read theirs by number).
+sa.Index(
+    "ix_call_slots_tokens",
+    call_slots.c.provider,
+    call_slots.c.account,
+    call_slots.c.admitted_at,
+    sqlite_where=sa.text("tokens_in IS NOT NULL"),
+)
 sa.Index(
     "ix_call_slots_open", call_slots.c.lease_until, sqlite_where=sa.text("released_at IS NULL")
 )

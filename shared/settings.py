@@ -20,6 +20,7 @@ from typing import Any
 
 from agentbus.catalog.parse import SECTIONS
 from agentbus.errors import ConfigError
+from agentbus.providers.chat import MAX_COUNT
 from agentbus.tomlfile import DEFAULT_CONFIG_MAX_BYTES
 
 ENV_PREFIX = "AGENTBUS_"
@@ -161,7 +162,14 @@ class Settings:
         "Cost per UTC day (in the unit of the models' prices); like daily_token_budget.", 0.0
     )
     rpm_window_sec: float = _doc(
-        "The sliding window of the providers' rpm limits (60: requests per minute).", 60.0
+        "The sliding window of the providers' rpm limits (60: requests per minute) and "
+        "of their token limits (tpm, itpm, otpm).",
+        60.0,
+    )
+    output_token_estimate: int = _doc(
+        "The output tokens a token window (tpm, otpm) reserves for a call whose params set "
+        "no max_tokens; the tokens the answer reports replace the reservation.",
+        1024,
     )
     admission_wait_ms: float = _doc(
         "How long a call waits for a concurrency or bulkhead slot before it is refused.", 200.0
@@ -331,6 +339,10 @@ class Settings:
         if self.client_budget < 0:
             raise ConfigError("setting client_budget must not be negative")
         check_budget_mode(self.budget_mode, self.client_budget)
+        if not 1 <= self.output_token_estimate <= MAX_COUNT:
+            raise ConfigError(
+                f"setting output_token_estimate must be a whole number from 1 to {MAX_COUNT:,}"
+            )
         if self.max_attempts < 1:
             raise ConfigError(f"setting max_attempts must be at least 1, got {self.max_attempts}")
         if self.sqlite_busy_timeout_ms < 0:

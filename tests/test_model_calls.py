@@ -78,7 +78,10 @@ def anthropic_at(url: str, timeout: float | None = None) -> AnthropicProvider:
         ({"params": [1]}, "payload.params must be an object of parameters"),
         ({"params": {"temperature": 3}}, "payload.params.temperature must be a number from 0"),
         ({"params": {"temperature": True}}, "payload.params.temperature must be a number"),
-        ({"params": {"max_tokens": 0}}, "payload.params.max_tokens must be at least 1"),
+        (
+            {"params": {"max_tokens": 0}},
+            "payload.params.max_tokens must be a whole number from 1 to",
+        ),
         ({"params": {"max_tokens": "9"}}, "payload.params.max_tokens must be a whole number"),
         ({"params": {"stop": [1]}}, "payload.params.stop must be a string or a list"),
         ({"params": {"tools": {}}}, "payload.params.tools must be a list of objects"),

@@ -159,12 +159,16 @@ def test_simulated_behaviours_windows_and_journal(tmp_path: Path) -> None:
     )
     assert isinstance(sim.call(request(payload, "sim/b")), TimedOut)
     assert isinstance(sim.call(request(payload, "sim/c")), Succeeded)
+    told = {"simulate": {"sim/c": {"usage": {"prompt_tokens": 700}}}}
+    answer = sim.call(request(told, "sim/c"))
+    assert isinstance(answer, Succeeded) and answer.usage == Usage(700, 8)
     now[0] = 1015.0  # created at 1000 + 15 s: the window is over
     assert isinstance(sim.call(request(payload, "sim/a")), Succeeded)
     lines = [json.loads(line) for line in journal.read_text().splitlines()]
     assert [(e["model"], e["outcome"]) for e in lines] == [
         ("sim/a", "rate_limited"),
         ("sim/b", "timeout"),
+        ("sim/c", "ok"),
         ("sim/c", "ok"),
         ("sim/a", "ok"),
     ]
@@ -177,6 +181,9 @@ def test_simulated_behaviours_windows_and_journal(tmp_path: Path) -> None:
         {"simulate": {"sim/a": "explode"}},
         {"simulate": {"sim/a": {"behaviour": "ok", "for_s": -1}}},
         {"simulate": {"sim/a": {"behavior": "ok"}}},
+        {"simulate": {"sim/a": {"usage": {"prompt_tokens": -1}}}},
+        {"simulate": {"sim/a": {"usage": {"prompt_tokens": 2**40}}}},
+        {"simulate": {"sim/a": {"usage": {"input": 3}}}},
     ],
 )
 def test_malformed_simulation_scripts(payload: dict[str, object]) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentbus.admission import tokens
 from agentbus.admission.admission import Admission
 from agentbus.admission.gates import Code, Refusal
 from agentbus.admission.permits import Permits
@@ -129,15 +130,20 @@ class Runner:
     ) -> Run:
         run = Run(Fail("unreachable"))
         blocked: dict[str, float] = {}
+        request = tokens.Request(task.command or "", task.payload)
         for candidate in candidates:
             if gone():
                 run.decision = Fail("the claim was lost")
                 return run
             started = self.clock()
-            answer = self.admission.admit(candidate, agent=task.agent, task_id=task.id)
+            answer = self.admission.admit(
+                candidate, agent=task.agent, task_id=task.id, request=request
+            )
             if isinstance(answer, Refusal):
                 cooling = answer.code is Code.COOLDOWN
                 self._refused(run, task, candidate, answer, started, blocked, cooling=cooling)
+                if answer.code is Code.TOO_LARGE:  # never admitted: as a refused credential
+                    refused.append(f"{candidate.key}: {answer.detail}")
                 continue
             with answer as permit:
                 began = time.monotonic()
@@ -240,8 +246,10 @@ class Runner:
         *,
         cooling: bool,
     ) -> None:
-        """A candidate not usable now: skipped while it cools, refused by a gate else."""
-        blocked[candidate.key] = refusal.retry_after
+        """A candidate not usable now: skipped while it cools, refused by a gate else (and
+        for good when the call is too large for it: nothing to wait for)."""
+        if refusal.code is not Code.TOO_LARGE:
+            blocked[candidate.key] = refusal.retry_after
         run.refusals[candidate.key] = refusal.as_dict(at)
         if cooling:
             run.skipped[candidate.key] = refusal.retry_after

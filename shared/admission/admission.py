@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy.engine import Connection
 
-from agentbus.admission import accounts, slots
+from agentbus.admission import accounts, slots, tokens
 from agentbus.admission.budget import ClientBudget, Reserve, WorkspaceBudget
 from agentbus.admission.circuit import CircuitStore
 from agentbus.admission.cooldowns import CooldownStore
@@ -46,8 +46,9 @@ from agentbus.admission.gates import (
     cost,
     refuse,
 )
-from agentbus.admission.limits import KeptLimits, Limits
+from agentbus.admission.limits import KeptLimits
 from agentbus.admission.routing import Candidate, KeptResolutions, Resolution, fingerprint
+from agentbus.admission.slots import Ask
 from agentbus.catalog import Catalog
 from agentbus.config import Config, Configured, LiveConfig, Settings
 from agentbus.db import Database
@@ -176,6 +177,7 @@ class Admission:
         agent: str,
         task_id: int | None,
         lease_sec: float | None = None,
+        request: tokens.Request | None = None,
     ) -> Permit | Refusal:
         """A permit for one call now, or the refusal of the gate that admits last.
 
@@ -183,6 +185,8 @@ class Admission:
         the gates. Slots held by others (concurrency, bulkhead) are waited for
         up to ``admission_wait_ms`` before refusing. ``lease_sec``: how long the
         slots are held at most (default: every try of the call, with margin).
+        ``request``: what the call sends, which the token windows estimate (None:
+        not known; admitted while they have room).
         """
         lease = self.lease_for(candidate) if lease_sec is None else lease_sec
         budget = self.budget
@@ -195,7 +199,7 @@ class Admission:
             detail = f"the client budget ({budget.budget}) is full"
             return Refusal(Code.CLIENT_BUDGET, recheck, detail, "client_budget")
         try:
-            answer = self._admit_gates(candidate, agent, task_id, lease)
+            answer = self._admit_gates(candidate, agent, task_id, lease, request)
         except BaseException:
             if budget is not None:
                 budget.release(candidate.provider)
@@ -208,11 +212,16 @@ class Admission:
         return answer
 
     def _admit_gates(
-        self, candidate: Candidate, agent: str, task_id: int | None, lease_sec: float
+        self,
+        candidate: Candidate,
+        agent: str,
+        task_id: int | None,
+        lease_sec: float,
+        request: tokens.Request | None,
     ) -> Permit | Refusal:
         wait = self.settings.admission_wait_ms / 1000
         attempt = self._admit_once
-        answer = attempt(candidate, agent, task_id, lease_sec, True)
+        answer = attempt(candidate, agent, task_id, lease_sec, True, request)
         if not _slot_refusal(answer) or wait <= 0:
             assert isinstance(answer, (Permit, Refusal))  # only a peek answers otherwise
             return answer
@@ -225,7 +234,7 @@ class Admission:
             sleep=self.sleep,
             retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
         )
-        result = retrying(attempt, candidate, agent, task_id, lease_sec, True)
+        result = retrying(attempt, candidate, agent, task_id, lease_sec, True, request)
         assert isinstance(result, (Permit, Refusal))
         return result
 
@@ -237,7 +246,13 @@ class Admission:
         return Admissible() if answer is None else answer
 
     def _admit_once(
-        self, c: Candidate, agent: str, task_id: int | None, lease_sec: float, take: bool
+        self,
+        c: Candidate,
+        agent: str,
+        task_id: int | None,
+        lease_sec: float,
+        take: bool,
+        request: tokens.Request | None = None,
     ) -> Permit | Refusal | Admissible | None:
         """Permit or refusal; when not ``take``-ing, Admissible (or None: no limit)."""
         now = self.clock()
@@ -258,13 +273,19 @@ class Admission:
             gates["circuit"] = verdict if isinstance(verdict, str) else "refused"
         limits = self._limits.of(self.catalog, self.settings, c, agent)
         limited = limits.any
+        need = tokens.UNKNOWN
+        if limits.token_limits and request is not None:
+            need = tokens.of_call(self.catalog, self.settings, c, request)
+        too_large = limits.too_large(c, need) if limits.token_limits else None
+        if too_large is not None:  # never admitted: whatever else refuses, this is final
+            gates[too_large.gate] = "refused"
+            return Refusal(too_large.code, now, too_large.detail, too_large.gate, gates)
+        ask = Ask(c, agent, task_id, lease_sec, limits, need)
         if refusals:
             # Refused already (from the caches); but it is admitted only once every
             # gate admits, so the limited ones say how long that is (nothing taken).
             if limited:
-                later = self.db.read(
-                    lambda conn: self._check(conn, c, agent, None, 0.0, limits, gates, False)
-                )
+                later = self.db.read(lambda conn: self._check(conn, ask, gates, False))
                 if isinstance(later, Refusal):
                     refusals.append(later)
             refused = refuse(refusals, gates)
@@ -274,36 +295,24 @@ class Admission:
             return Permit(self, c, None, False, gates) if take else None
 
         if take and limits.slot and gates.get("circuit", "ok") == "ok" and self._at_once:
-            return self.db.pinned.write_one(
-                lambda conn: self._take_at_once(conn, c, agent, task_id, lease_sec, limits, gates)
-            )
+            return self.db.pinned.write_one(lambda conn: self._take_at_once(conn, ask, gates))
 
         def work(conn: Connection) -> Permit | Refusal | Admissible:
-            return self._check(conn, c, agent, task_id, lease_sec, limits, gates, take)
+            return self._check(conn, ask, gates, take)
 
         return self.db.pinned.write(work, durable=False) if take else self.db.read(work)
 
-    def _take_at_once(
-        self,
-        conn: Connection,
-        c: Candidate,
-        agent: str,
-        task_id: int | None,
-        lease_sec: float,
-        limits: Limits,
-        gates: dict[str, Any],
-    ) -> Permit | Refusal:
+    def _take_at_once(self, conn: Connection, ask: Ask, gates: dict[str, Any]) -> Permit | Refusal:
         """PostgreSQL, with no circuit to read: lock the gates, count them and take the slot
         if every one admits, as one transaction in one round trip (``prepared.at_once``;
         the statement decides as ``Limits.read`` does, which then says why it refused)."""
-        circuit = [f"circuit:{c.provider}"] if "circuit" in gates else []
-        lock = slots.lock_step(conn.dialect, [*limits.lock_keys(c, agent), *circuit])
+        c, agent, limits = ask.c, ask.agent, ask.limits
+        lock = slots.lock_step(conn.dialect, ask.lock_keys(gates))
         slot_gates, windows, _, budgets = limits.shape(take=True)
-        take = prepared(conn.dialect, slots.take_if_admitted(slot_gates, windows, budgets))
-        now = self.clock()
-        params = limits.params(c, agent, now) | slots.row(
-            c, agent, task_id, self.worker, now, lease_sec
+        take = prepared(
+            conn.dialect, slots.take_if_admitted(slot_gates, windows, budgets, limits.token_gates)
         )
+        params = ask.params(self.worker, self.clock())
         row = at_once(conn, [*([lock] if lock else []), (take, params)])[-1][0]
         *counts, admitted_at, slot_id = row
         recheck = admitted_at + self.settings.admission_recheck_sec
@@ -320,22 +329,16 @@ class Admission:
         return Permit(self, c, slot_id, False, gates)
 
     def _check(
-        self,
-        conn: Connection,
-        c: Candidate,
-        agent: str,
-        task_id: int | None,
-        lease_sec: float,
-        limits: Limits,
-        gates: dict[str, Any],
-        take: bool,
+        self, conn: Connection, ask: Ask, gates: dict[str, Any], take: bool
     ) -> Permit | Refusal | Admissible:
+        c, limits = ask.c, ask.limits
         if take:
-            circuit = [f"circuit:{c.provider}"] if "circuit" in gates else []
-            slots.lock_gates(conn, [*limits.lock_keys(c, agent), *circuit])
+            slots.lock_gates(conn, ask.lock_keys(gates))
         now = self.clock()
         recheck = now + self.settings.admission_recheck_sec
-        refusals, rooms = limits.check(conn, c, agent, now, gates, take=take, recheck=recheck)
+        refusals, rooms = limits.check(
+            conn, c, ask.agent, now, gates, take=take, recheck=recheck, need=ask.need
+        )
         probe = False
         if "circuit" in gates and gates["circuit"] != "ok":
             provider = self.catalog.provider(c.provider)
@@ -351,16 +354,13 @@ class Admission:
             return refused
         if not take:
             return Admissible(min(rooms) if rooms else None)
-        if probe and not self.circuits.take_probe(conn, provider, now, lease_sec):
+        if probe and not self.circuits.take_probe(conn, provider, now, ask.lease_sec):
             detail = "another process holds the probe"
             return Refusal(Code.CIRCUIT_OPEN, recheck, detail, "circuit", gates)
         slot_id = None
         if limits.slot:
             slot = prepared(conn.dialect, slots.take(tuple(limits.window_limits)))
-            params = limits.params(c, agent, now) | slots.row(
-                c, agent, task_id, self.worker, now, lease_sec
-            )
-            slot_id = slot.tuples(slot.execute(conn, params))[0][0]
+            slot_id = slot.tuples(slot.execute(conn, ask.params(self.worker, now)))[0][0]
         return Permit(self, c, slot_id, probe, gates)
 
     # -- after the call ------------------------------------------------------
@@ -414,6 +414,7 @@ class Admission:
             "p_now": now,
             "p_provider": provider.name,
             "p_endpoint": provider.endpoint,
+            **slots.reported(outcome),  # replace the slot's estimate of its tokens
         }
         if success and permit.slot_id is not None and self.db.dialect == "postgresql":
             # The common case in one statement, its own transaction: one round trip.

@@ -32,6 +32,7 @@ class Code(enum.StrEnum):
     BUDGET_EXHAUSTED = "budget_exhausted"
     CONCURRENCY_FULL = "concurrency_full"
     CLIENT_BUDGET = "client_budget"  # the workspace client budget is full
+    TOO_LARGE = "too_large"  # one call needs more tokens than a window ever admits
 
     @property
     def number(self) -> int | None:
@@ -60,6 +61,7 @@ _ACTIONS = {
     Code.BUDGET_EXHAUSTED: "WAIT_FOR_BUDGET_RESET",
     Code.CONCURRENCY_FULL: _SLOT,
     Code.CLIENT_BUDGET: _SLOT,
+    Code.TOO_LARGE: "DO_NOT_RETRY",
 }
 #: Refusals that a short wait may end (another call finishing frees a slot).
 SLOT_CODES = frozenset({Code.CONCURRENCY_FULL, Code.BULKHEAD_FULL})
@@ -71,7 +73,9 @@ class Refusal:
 
     ``gate`` names the gate that refused (``cooldown``, ``circuit``, ``rpm``,
     ``agent_rate``, ``concurrency``, ``provider_concurrency``, ``bulkhead``,
-    ``budget``, ``client_budget``); ``gates`` is every gate's answer.
+    ``budget``, ``client_budget``, and the token windows ``tpm``, ``itpm``, ``otpm``);
+    ``gates`` is every gate's answer. A ``too_large`` refusal is for good: the
+    call can never be admitted, and ``retry_after`` means nothing.
     """
 
     code: Code

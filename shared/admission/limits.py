@@ -1,7 +1,8 @@
 """The limited gates of admission: concurrency, bulkheads, sliding windows
-(rpm per provider account, rate per agent) and the daily budgets, counted from
-``call_slots`` and the usage ledger in one statement. Which apply to a candidate
-is plain data (``Limits.of``); ``check`` turns the counts into refusals."""
+(rpm and tokens per provider account, rate per agent) and the daily budgets,
+counted from ``call_slots`` and the usage ledger in one statement. Which apply to
+a candidate is plain data (``Limits.of``); ``check`` turns the counts into
+refusals."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from sqlalchemy.engine import Connection
 from agentbus.admission import usage
 from agentbus.admission.gates import Code, Refusal, day_of, next_day, window_free_at
 from agentbus.admission.routing import Candidate
+from agentbus.admission.tokens import UNKNOWN, Tokens
 from agentbus.catalog import Catalog
 from agentbus.config import Settings
 from agentbus.db.compiled import prepared
@@ -33,6 +35,9 @@ class Limits:
     agent_rate: tuple[int, float] | None
     tokens: int
     cost: float
+    # The account's token windows (tpm, itpm, otpm: tokens per window), and their length.
+    token_limits: tuple[tuple[str, int], ...] = ()
+    token_window: float = 60.0
 
     @classmethod
     def of(cls, catalog: Catalog, settings: Settings, c: Candidate, agent: str) -> Limits:
@@ -50,6 +55,8 @@ class Limits:
             else None,
             settings.daily_token_budget,
             settings.daily_cost_budget,
+            tuple(account.token_limits.items()) if account else (),
+            settings.rpm_window_sec,
         )
 
     def lock_keys(self, c: Candidate, agent: str) -> list[str]:
@@ -64,6 +71,8 @@ class Limits:
             keys.append(f"bulkhead:{self.bulkhead[0]}")
         if self.rpm:
             keys.append(f"rpm:{c.provider}/{c.account}")
+        if self.token_limits:
+            keys.append(f"tokens:{c.provider}/{c.account}")
         if self.agent_rate:
             keys.append(f"agent:{agent}")
         return keys
@@ -84,11 +93,29 @@ class Limits:
             or self.bulkhead
             or self.rpm
             or self.agent_rate
+            or self.token_limits
         )
 
     @property
     def any(self) -> bool:
         return bool(self.slot or self.tokens or self.cost)
+
+    def reserved(self, need: Tokens) -> Tokens | None:
+        """What a call's slot holds of its account's token windows (None: none counts it)."""
+        return need if self.token_limits else None
+
+    def too_large(self, c: Candidate, need: Tokens) -> Refusal | None:
+        """A call that no token window of its account can ever admit (it needs more than
+        the window's limit): refused for good, not paused."""
+        for gate, limit in self.token_limits:
+            if need.of(gate) > limit:
+                detail = (
+                    f"{gate}: the call needs ~{need.of(gate):,} tokens, more than the "
+                    f"{limit:,} per {self.token_window:g}s {c.provider}/{c.account or '-'} "
+                    "ever admits"
+                )
+                return Refusal(Code.TOO_LARGE, 0.0, detail, gate)
+        return None
 
     def check(
         self,
@@ -100,22 +127,31 @@ class Limits:
         *,
         take: bool,
         recheck: float,
+        need: Tokens,
     ) -> tuple[list[Refusal], list[int]]:
         """The refusals of the limited gates, and the room each leaves (calls that fit now;
         windows count theirs only when not ``take``-ing: the sweeper's question). ``gates``
-        gets each gate's result for the routing history."""
-        statement = prepared(conn.dialect, counts_statement(*self.shape(take)))
-        answers = statement.tuples(statement.execute(conn, self.params(c, agent, now)))[0]
+        gets each gate's result for the routing history; ``need``: the call's tokens."""
+        statement = prepared(conn.dialect, counts_statement(*self.shape(take), self.token_gates))
+        answers = statement.tuples(statement.execute(conn, self.params(c, agent, now, need)))[0]
         return self.read(answers, c, agent, now, gates, take=take, recheck=recheck)
 
     def shape(self, take: bool) -> tuple[tuple[str, ...], tuple[str, ...], bool, bool]:
-        """Which gates ``counts_statement`` counts (its arguments)."""
+        """Which gates ``counts_statement`` counts (its arguments but ``token_gates``)."""
         slot_gates = tuple(gate for gate, _, _ in self._slot_gates())
         return slot_gates, tuple(self.window_limits), take, bool(self.tokens or self.cost)
 
-    def params(self, c: Candidate, agent: str, now: float) -> dict[str, Any]:
+    @property
+    def token_gates(self) -> tuple[str, ...]:
+        return tuple(gate for gate, _ in self.token_limits)
+
+    def params(
+        self, c: Candidate, agent: str, now: float, need: Tokens = UNKNOWN
+    ) -> dict[str, Any]:
         """The parameters of ``counts_statement``, and each gate's limit (``p_<gate>_limit``,
-        ``p_tokens_limit``, ``p_cost_limit``: what ``slots.take_if_admitted`` compares with)."""
+        ``p_tokens_limit``, ``p_cost_limit``: what ``slots.take_if_admitted`` compares with;
+        a token window's ``p_<gate>_room``: the tokens the calls already in it may hold
+        for ``need`` to fit)."""
         params: dict[str, Any] = {
             "p_now": now,
             "p_provider": c.provider,
@@ -131,6 +167,10 @@ class Limits:
         for gate, (limit, window) in self.window_limits.items():
             params[f"p_{gate}_since"], params[f"p_{gate}_window"] = now - window, window
             params[f"p_{gate}_offset"] = limit - 1
+        if self.token_limits:
+            params["p_tokens_since"] = now - self.token_window
+        for gate, limit in self.token_limits:
+            params[f"p_{gate}_room"] = limit - need.of(gate)
         return params
 
     def _slot_gates(self) -> list[tuple[str, Code, int]]:
@@ -184,6 +224,13 @@ class Limits:
                         gate,
                     )
                 )
+        for gate, limit in self.token_limits:
+            free_at = window_free_at(next(answers), self.token_window, now)
+            gates[gate] = "ok" if free_at is None else "refused"
+            if free_at is not None:
+                what = f"{c.provider}/{c.account or '-'}"
+                detail = f"{gate}: {limit:,} tokens per {self.token_window:g}s for {what}"
+                refusals.append(Refusal(Code.RATE_LIMITED, free_at, detail, gate))
         if self.tokens or self.cost:
             tokens, cost = int(next(answers)), float(next(answers))
             over = (self.tokens and tokens >= self.tokens) or (self.cost and cost >= self.cost)
@@ -279,22 +326,63 @@ def next_in_window(gate: str) -> Any:
 
 @functools.cache
 def counts_statement(
-    slot_gates: tuple[str, ...], windows: tuple[str, ...], take: bool, budgets: bool
+    slot_gates: tuple[str, ...],
+    windows: tuple[str, ...],
+    take: bool,
+    budgets: bool,
+    token_gates: tuple[str, ...] = (),
 ) -> sa.Select[Any]:
     """Every count the gates of one shape need, in one statement: one round trip however
     many gates apply (built once per shape; the values are bind parameters)."""
-    asked = count_columns(slot_gates, windows, take, budgets, _P_NOW)
+    asked = count_columns(slot_gates, windows, take, budgets, _P_NOW, token_gates)
     return sa.select(*asked) if asked else sa.select(sa.literal(1))
 
 
+#: What each token window counts of a call.
+_TOKENS_OF = {
+    "tpm": call_slots.c.tokens_in + call_slots.c.tokens_out,
+    "itpm": call_slots.c.tokens_in,
+    "otpm": call_slots.c.tokens_out,
+}
+
+
+def token_window_blocker(gate: str) -> Any:
+    """SQL: when the newest call of the account's token window ``gate`` was admitted that
+    must leave the window before a call fits (NULL: it fits now). Each call in the
+    window is summed with the calls after it (newest first); the newest whose sum is
+    above ``p_<gate>_room`` is the one: once it has left, what stays fits."""
+    newer = (
+        sa.func.sum(_TOKENS_OF[gate])
+        .over(order_by=(call_slots.c.admitted_at.desc(), call_slots.c.id.desc()))
+        .label("newer")
+    )
+    in_window = (
+        sa.select(call_slots.c.admitted_at.label("at"), newer)
+        .where(
+            _WINDOWS["rpm"],
+            call_slots.c.tokens_in.is_not(None),
+            call_slots.c.admitted_at > sa.bindparam("p_tokens_since", type_=sa.Float),
+        )
+        .subquery(f"{gate}_calls")
+    )
+    room = sa.bindparam(f"p_{gate}_room", type_=sa.BigInteger)
+    return sa.select(sa.func.max(in_window.c.at)).where(in_window.c.newer > room)
+
+
 def count_columns(
-    slot_gates: tuple[str, ...], windows: tuple[str, ...], take: bool, budgets: bool, now: Any
+    slot_gates: tuple[str, ...],
+    windows: tuple[str, ...],
+    take: bool,
+    budgets: bool,
+    now: Any,
+    token_gates: tuple[str, ...] = (),
 ) -> list[Any]:
     """``counts_statement``'s columns, each named after its gate: the slots in flight
     (``<gate>``); a window's limit-th newest call while it is in the window at ``now``,
     NULL otherwise (``<gate>_nth``: compared as ``gates.window_free_at`` compares, so
-    both read it alike); its calls (``<gate>_calls``, when not ``take``-ing); and the
-    day's ``tokens`` and ``cost``."""
+    both read it alike); its calls (``<gate>_calls``, when not ``take``-ing); a token
+    window's call that must leave it first (``<gate>_free``, ``token_window_blocker``);
+    and the day's ``tokens`` and ``cost``."""
     asked: list[Any] = []
     open_slot = sa.and_(call_slots.c.released_at.is_(None), call_slots.c.lease_until > _P_NOW)
     for gate in slot_gates:
@@ -326,6 +414,8 @@ def count_columns(
                 .scalar_subquery()
                 .label(f"{gate}_calls")
             )
+    for gate in token_gates:
+        asked.append(token_window_blocker(gate).scalar_subquery().label(f"{gate}_free"))
     if budgets:
         tokens, cost = usage.today_columns(sa.bindparam("p_day", type_=sa.Float))
         asked += [tokens.label("tokens"), cost.label("cost")]
@@ -345,7 +435,11 @@ def admitted_now(windows: tuple[str, ...]) -> Any:
 
 
 def admits(
-    counts: Any, slot_gates: tuple[str, ...], windows: tuple[str, ...], budgets: bool
+    counts: Any,
+    slot_gates: tuple[str, ...],
+    windows: tuple[str, ...],
+    budgets: bool,
+    token_gates: tuple[str, ...] = (),
 ) -> Any:
     """SQL: every gate admits, read from ``counts`` (``counts_statement`` of that shape, as
     a CTE) exactly as ``Limits.read`` reads it, against the limits ``Limits.params`` binds."""
@@ -353,6 +447,7 @@ def admits(
         counts.c[gate] < sa.bindparam(f"p_{gate}_limit", type_=sa.Integer) for gate in slot_gates
     ]
     holds += [counts.c[f"{gate}_nth"].is_(None) for gate in windows]
+    holds += [counts.c[f"{gate}_free"].is_(None) for gate in token_gates]
     if budgets:
         tokens = sa.cast(sa.bindparam("p_tokens_limit", type_=sa.BigInteger), sa.BigInteger)
         cost = sa.cast(sa.bindparam("p_cost_limit", type_=sa.Float), sa.Float)

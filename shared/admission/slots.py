@@ -9,7 +9,8 @@ statement is built once, its values bind parameters, and runs compiled
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -18,13 +19,16 @@ from sqlalchemy.engine import Connection
 from agentbus.admission.circuit import COUNT_SUCCESS, END_RUN
 from agentbus.admission.limits import (
     WINDOW_SEQ,
+    Limits,
     admits,
     admitted_now,
     count_columns,
     next_in_window,
 )
 from agentbus.admission.routing import Candidate
+from agentbus.admission.tokens import Tokens
 from agentbus.db.compiled import Prepared, prepared
+from agentbus.providers.outcomes import Outcome, Succeeded
 from agentbus.schema import call_slots, circuit_calls
 
 #: PostgreSQL: an admission holds a transaction lock on each gate it counts (the
@@ -62,7 +66,18 @@ _LOCK = sa.select(
 
 
 #: The columns an admission writes to its slot (bind parameters named after them).
-_TAKEN = ("provider", "account", "model", "agent", "bulkhead", "task_id", "worker", "lease_until")
+_TAKEN = (
+    "provider",
+    "account",
+    "model",
+    "agent",
+    "bulkhead",
+    "task_id",
+    "worker",
+    "lease_until",
+    "tokens_in",
+    "tokens_out",
+)
 
 
 def _slot_values(windows: tuple[str, ...]) -> dict[str, Any]:
@@ -87,7 +102,10 @@ def take(windows: tuple[str, ...]) -> sa.Insert:
 
 @functools.cache
 def take_if_admitted(
-    slot_gates: tuple[str, ...], windows: tuple[str, ...], budgets: bool
+    slot_gates: tuple[str, ...],
+    windows: tuple[str, ...],
+    budgets: bool,
+    token_gates: tuple[str, ...] = (),
 ) -> sa.Select[Any]:
     """PostgreSQL: the gates' counts (``limits.counts_statement``'s columns, taking), the
     admission's time (``now``: ``limits.admitted_now``, which the counts and the slot
@@ -97,12 +115,12 @@ def take_if_admitted(
     holding the gates' locks, taken by an earlier statement: its snapshot then holds
     every slot taken before."""
     moment = sa.select(admitted_now(windows).label("now")).cte("moment")
-    asked = count_columns(slot_gates, windows, True, budgets, moment.c.now)
+    asked = count_columns(slot_gates, windows, True, budgets, moment.c.now, token_gates)
     counts = sa.select(*asked, moment.c.now).select_from(moment).cte("counts")
     values = _slot_values(windows)
     values["admitted_at"] = counts.c.now
     typed = [sa.cast(v, call_slots.c[k].type) if k in _TAKEN else v for k, v in values.items()]
-    admitted = sa.select(*typed).where(admits(counts, slot_gates, windows, budgets))
+    admitted = sa.select(*typed).where(admits(counts, slot_gates, windows, budgets, token_gates))
     taken = (
         sa.insert(call_slots)
         .from_select(list(values), admitted)
@@ -114,10 +132,17 @@ def take_if_admitted(
 
 
 def row(
-    c: Candidate, agent: str, task_id: int | None, worker: str, now: float, lease_sec: float
+    c: Candidate,
+    agent: str,
+    task_id: int | None,
+    worker: str,
+    now: float,
+    lease_sec: float,
+    tokens: Tokens | None = None,
 ) -> dict[str, Any]:
     """The parameters of ``take`` and ``take_if_admitted`` for one call (with
-    ``Limits.params``)."""
+    ``Limits.params``); ``tokens``: what it reserves of its account's token windows
+    (None: none counts it)."""
     return {
         "p_now": now,
         "provider": c.provider,
@@ -128,7 +153,33 @@ def row(
         "task_id": task_id,
         "worker": worker,
         "lease_until": now + lease_sec,
+        "tokens_in": tokens.input if tokens is not None else None,
+        "tokens_out": tokens.output if tokens is not None else None,
     }
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One admission's question: may ``agent``'s task ``task_id`` call ``c`` now, under
+    ``limits``, holding its slots ``lease_sec`` at most and needing ``need`` tokens?"""
+
+    c: Candidate
+    agent: str
+    task_id: int | None
+    lease_sec: float
+    limits: Limits
+    need: Tokens
+
+    def lock_keys(self, gates: Mapping[str, Any]) -> list[str]:
+        circuit = [f"circuit:{self.c.provider}"] if "circuit" in gates else []
+        return [*self.limits.lock_keys(self.c, self.agent), *circuit]
+
+    def params(self, worker: str, now: float) -> dict[str, Any]:
+        """The parameters of the statements that count the gates and take the slot."""
+        c, agent, limits = self.c, self.agent, self.limits
+        reserved = limits.reserved(self.need)
+        slot = row(c, agent, self.task_id, worker, now, self.lease_sec, reserved)
+        return limits.params(c, agent, now, self.need) | slot
 
 
 def purge(conn: Connection, cutoff: float, now: float) -> int:
@@ -143,14 +194,36 @@ def purge(conn: Connection, cutoff: float, now: float) -> int:
     return int(gone)
 
 
-#: Give a slot back. No row matched: the lease ran out and the sweeper purged it.
+def _reported(column: sa.Column[Any]) -> Any:
+    """A token count of a released slot: what the answer reported (``p_<column>``) in
+    place of the estimate, if the slot's windows count tokens and the answer said."""
+    reported = sa.bindparam(f"p_{column.key}", None, type_=sa.BigInteger, required=False)
+    return sa.case((column.is_not(None), sa.func.coalesce(reported, column)), else_=None)
+
+
+def reported(outcome: Outcome | None) -> dict[str, int | None]:
+    """``RELEASE``'s token parameters: what a successful answer reported it used (None:
+    it said nothing, the estimate stays)."""
+    used = outcome.usage if isinstance(outcome, Succeeded) else None
+    if used is None or not (used.prompt_tokens or used.completion_tokens):
+        return {"p_tokens_in": None, "p_tokens_out": None}
+    return {"p_tokens_in": used.prompt_tokens, "p_tokens_out": used.completion_tokens}
+
+
+#: Give a slot back, with the tokens the answer reported (``p_tokens_in``,
+#: ``p_tokens_out``; NULL: not reported, the estimate stays). No row matched: the
+#: lease ran out and the sweeper purged it.
 RELEASE = (
     sa.update(call_slots)
     .where(
         call_slots.c.id == sa.bindparam("p_id", type_=sa.BigInteger),
         call_slots.c.released_at.is_(None),
     )
-    .values(released_at=sa.bindparam("p_now", type_=sa.Float))
+    .values(
+        released_at=sa.bindparam("p_now", type_=sa.Float),
+        tokens_in=_reported(call_slots.c.tokens_in),
+        tokens_out=_reported(call_slots.c.tokens_out),
+    )
 )
 
 #: PostgreSQL: ``RELEASE``, committed as ``ASYNC_COMMIT`` says.

@@ -9,6 +9,8 @@ every key)::
     base_url = "https://api.openai.com/v1"
     concurrency = 20                 # calls in flight, shared by its accounts
     rpm = 500                        # per account, on a sliding 60 s window
+    tpm = 200000                     # tokens per minute per account (itpm, otpm: input,
+                                     # output tokens alone), on the same window
     [providers.openai-main.accounts.team-a]
     key_env = "OPENAI_KEY_A"         # the NAME of the variable holding the key
 
@@ -68,6 +70,16 @@ class AccountConfig:
     name: str  # "" for a provider without named accounts
     key_env: str | None = None  # None: the account needs no key
     rpm: int | None = None
+    # Tokens per rpm window (60 s): input and output together, input alone, output alone.
+    tpm: int | None = None
+    itpm: int | None = None
+    otpm: int | None = None
+
+    @property
+    def token_limits(self) -> dict[str, int]:
+        """The account's token windows that are configured: gate -> tokens per window."""
+        limits = {"tpm": self.tpm, "itpm": self.itpm, "otpm": self.otpm}
+        return {gate: limit for gate, limit in limits.items() if limit}
 
 
 @dataclass(frozen=True)

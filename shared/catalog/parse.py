@@ -30,7 +30,9 @@ from agentbus.providers.outcomes import FAILURE_NAMES as OUTCOME_NAMES
 
 #: Tables of the config file that are the catalog, not settings.
 SECTIONS = ("providers", "models", "roles", "agents", "bulkheads", "routing", "mcp")
-_LIMITS = {"accounts", "concurrency", "rpm", "circuit", "timeout_sec"}
+#: The limits of one account's windows: calls, then tokens (all, input, output) per window.
+WINDOW_LIMITS = ("rpm", "tpm", "itpm", "otpm")
+_LIMITS = {"accounts", "concurrency", "circuit", "timeout_sec", *WINDOW_LIMITS}
 _KEYS = {
     "openai": _LIMITS | {"kind", "base_url", "api_key_env"},
     "anthropic": _LIMITS | {"kind", "base_url", "api_key_env", "anthropic_version"},
@@ -223,14 +225,14 @@ def _provider(name: str, body: Mapping[str, Any]) -> ProviderConfig:
         isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
     ):
         raise ConfigError(f"{where}: timeout_sec must be a positive number")
-    rpm = _count(body["rpm"], f"{where} rpm") if "rpm" in body else None
+    windows = _windows(body, where, {})
     concurrency = (
         _count(body["concurrency"], f"{where} concurrency") if "concurrency" in body else None
     )
     circuit = body.get("circuit", True)
     if not isinstance(circuit, bool):
         raise ConfigError(f"{where}: circuit must be true or false")
-    accounts = _accounts(body, where, rpm, needs_key=kind in HTTP_KINDS)
+    accounts = _accounts(body, where, windows, needs_key=kind in HTTP_KINDS)
     common: dict[str, Any] = {
         "timeout_sec": timeout,
         "accounts": accounts,
@@ -292,21 +294,28 @@ def _provider(name: str, body: Mapping[str, Any]) -> ProviderConfig:
     )
 
 
+def _windows(body: Mapping[str, Any], where: str, inherited: Mapping[str, int]) -> dict[str, int]:
+    """The window limits ``body`` sets (``WINDOW_LIMITS``) over those it ``inherited``."""
+    own = {key: _count(body[key], f"{where} {key}") for key in WINDOW_LIMITS if key in body}
+    return {**inherited, **own}
+
+
 def _accounts(
-    body: Mapping[str, Any], where: str, rpm: int | None, *, needs_key: bool
+    body: Mapping[str, Any], where: str, windows: Mapping[str, int], *, needs_key: bool
 ) -> tuple[AccountConfig, ...]:
-    """``[providers.X.accounts.NAME]`` tables, or the single account of ``api_key_env``."""
+    """``[providers.X.accounts.NAME]`` tables, or the single account of ``api_key_env``;
+    each with the provider's ``windows`` but those it sets itself."""
     if "api_key_env" in body and "accounts" in body:
         raise ConfigError(f"{where}: give accounts or api_key_env, not both")
     if "api_key_env" in body:
-        return (AccountConfig("default", _env_name(body, "api_key_env", where), rpm),)
+        return (AccountConfig("default", _env_name(body, "api_key_env", where), **windows),)
     table = body.get("accounts")
     if table is None:
         if needs_key:
             raise ConfigError(
                 f"{where}: name the variable holding the key (api_key_env or accounts)"
             )
-        return (AccountConfig("", None, rpm),)
+        return (AccountConfig("", None, **windows),)
     if not isinstance(table, dict) or not table:
         raise ConfigError(f"{where}: accounts must be a table of named accounts")
     accounts = []
@@ -314,12 +323,11 @@ def _accounts(
         at = f"{where} account {name!r}"
         if not NAME_RE.match(name) or not isinstance(account, dict):
             raise ConfigError(f"{at}: must be a named table")
-        _only(account, at, {"key_env", "rpm"})
+        _only(account, at, {"key_env", *WINDOW_LIMITS})
         if needs_key and "key_env" not in account:
             raise ConfigError(f"{at}: key_env must name the variable holding its key")
         key_env = _env_name(account, "key_env", at) if "key_env" in account else None
-        own = _count(account["rpm"], f"{at} rpm") if "rpm" in account else rpm
-        accounts.append(AccountConfig(name, key_env, own))
+        accounts.append(AccountConfig(name, key_env, **_windows(account, at, windows)))
     return tuple(accounts)
 
 

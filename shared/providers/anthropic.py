@@ -19,7 +19,7 @@ from agentbus.providers import CallRequest, chat
 from agentbus.providers.http import HTTPProvider, tool_call
 from agentbus.providers.outcomes import Succeeded, Usage
 
-DEFAULT_MAX_TOKENS = 4096
+DEFAULT_MAX_TOKENS = chat.DEFAULT_MAX_TOKENS["anthropic"]
 
 
 class AnthropicProvider(HTTPProvider):

@@ -27,6 +27,10 @@ RESERVED = ("model", "messages", "system", "stream")
 #: What the well-known parameters must look like (others pass through unchecked).
 _NUMBERS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
 _COUNTS = ("max_tokens", "max_completion_tokens", "n", "seed")
+#: The largest max_tokens, max_completion_tokens or n (a token window adds them up).
+MAX_COUNT = 2**31 - 1
+#: The max_tokens a provider kind sends when the params set none (the API requires one).
+DEFAULT_MAX_TOKENS = {"anthropic": 4096}
 
 
 class ChatError(ValueError):
@@ -76,8 +80,8 @@ def check_params(params: Any, where: str) -> None:
                 raise ChatError(f"{where}.{key} must be a number from {low:g} to {high:g}")
         elif key in _COUNTS and (isinstance(value, bool) or not isinstance(value, int)):
             raise ChatError(f"{where}.{key} must be a whole number")
-        elif key in _COUNTS and key != "seed" and value < 1:
-            raise ChatError(f"{where}.{key} must be at least 1")
+        elif key in _COUNTS and key != "seed" and not 1 <= value <= MAX_COUNT:
+            raise ChatError(f"{where}.{key} must be a whole number from 1 to {MAX_COUNT:,}")
         elif key == "stop" and not (
             _text(value) or (isinstance(value, list) and value and all(_text(s) for s in value))
         ):

@@ -7,6 +7,9 @@ provider raises, as a bug would: the worker errors the task) — or an object::
 
     {"behaviour": "rate_limited", "for_s": 15, "retry_after_s": 5, "latency_ms": 200}
 
+``usage`` ({"prompt_tokens": N, "completion_tokens": M}) is what a success
+reports it used (default: the prompt's words, and 8): tests and benchmarks of
+the token windows set it.
 ``wait_for`` (a file path) holds the call until that file exists, announcing
 the wait with ``<path>.waiting``: tests hold a call in flight with it.
 ``until_file`` (a path) limits the behaviour to calls made before that file
@@ -31,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from agentbus.errors import InvalidTask
-from agentbus.providers import CallRequest
+from agentbus.providers import CallRequest, chat
 from agentbus.providers.outcomes import (
     ALIASES,
     Outcome,
@@ -53,6 +56,7 @@ _KEYS = {
     "latency_ms",
     "accounts",
     "wait_for",
+    "usage",
 }
 
 
@@ -93,6 +97,19 @@ def script_for(payload: Mapping[str, Any], model: str) -> dict[str, Any]:
         path = script.get(key)
         if path is not None and (not isinstance(path, str) or not path):
             raise InvalidTask(f"payload.simulate[{model!r}].{key} must be a file path")
+    usage = script.get("usage")
+    if usage is not None and not (
+        isinstance(usage, dict)
+        and set(usage) <= {"prompt_tokens", "completion_tokens"}
+        and all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= chat.MAX_COUNT
+            for n in usage.values()
+        )
+    ):
+        raise InvalidTask(
+            f"payload.simulate[{model!r}].usage must map prompt_tokens and completion_tokens "
+            "to whole numbers"
+        )
     if (script.get("latency_ms") or 0) > MAX_LATENCY_MS:
         raise InvalidTask(
             f"payload.simulate[{model!r}].latency_ms must be at most {MAX_LATENCY_MS}"
@@ -143,10 +160,10 @@ class SimulatedProvider:
             raise RuntimeError(what)
         match behaviour:
             case "ok":
-                words = len(request.prompt.split())
+                used = {"prompt_tokens": len(request.prompt.split()), "completion_tokens": 8}
                 return Succeeded(
                     f"[{request.model}] done: {request.prompt[:60]}",
-                    Usage(prompt_tokens=words, completion_tokens=8),
+                    Usage(**{**used, **script.get("usage", {})}),
                 )
             case _:
                 return failure_named(behaviour, what, retry_after_sec=script.get("retry_after_s"))

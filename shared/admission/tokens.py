@@ -1,0 +1,118 @@
+"""What a call spends of its account's token windows: estimated before, reported after.
+
+A token window (``tpm``: input and output tokens, ``itpm``: input alone, ``otpm``:
+output alone, per provider account and ``rpm_window_sec``) admits a call only if
+the call's estimate fits beside the tokens of the calls already in it; the
+answer's reported usage then replaces the estimate (``Admission.finish``).
+
+The input estimate is the characters the call sends divided by
+``CHARS_PER_TOKEN`` (the providers' own rule of thumb for English text and
+code), plus ``MESSAGE_TOKENS`` of framing per message; content that is not
+text (tool calls, tool definitions, images) counts by its JSON. No tokenizer is
+loaded: the estimate is what admission can afford on every call, and its error
+is only held until the answer reports the real figure. The output estimate is
+what the call may answer at most: ``max_tokens`` (or ``max_completion_tokens``)
+times ``n``, from the task's params over the model's, else the provider's
+default.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from agentbus.providers import chat
+
+if TYPE_CHECKING:
+    from agentbus.admission.routing import Candidate
+    from agentbus.catalog import Catalog
+    from agentbus.config import Settings
+
+CHARS_PER_TOKEN = 4
+#: Tokens each message costs besides its content (its role and separators).
+MESSAGE_TOKENS = 4
+#: Each token window and what of a call it counts.
+GATES = ("tpm", "itpm", "otpm")
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A call's input and output tokens (estimated, or as the answer reported them)."""
+
+    input: int
+    output: int
+
+    def of(self, gate: str) -> int:
+        """What window ``gate`` counts of them."""
+        if gate == "itpm":
+            return self.input
+        if gate == "otpm":
+            return self.output
+        return self.input + self.output
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a task's call sends, as far as its estimate goes: the task text and payload."""
+
+    text: str
+    payload: Mapping[str, Any]
+
+
+#: A call whose size is not known (an inner permit): it is admitted while the window
+#: still has room, and counts what its answer reports, if anything.
+UNKNOWN = Tokens(0, 0)
+
+
+def estimate(
+    text: str, payload: Mapping[str, Any], params: Mapping[str, Any], default_output: int
+) -> Tokens:
+    """The tokens a call of the task ``text`` with ``payload`` and ``params`` (the task's
+    over the model's, ``chat.params_for``) spends at most, as far as admission knows."""
+    try:
+        messages = chat.conversation(text, payload)
+    except chat.ChatError:  # not a chat payload (a command's own): its whole JSON
+        return Tokens(_capped(_chars(dict(payload)) + len(text)), _output(params, default_output))
+    chars = len(chat.system_of(payload) or "")
+    for message in messages:
+        chars += _chars(message.get("content"))
+        if message.get("tool_calls"):
+            chars += _chars(message["tool_calls"])
+    if params.get("tools"):
+        chars += _chars(params["tools"])
+    framing = MESSAGE_TOKENS * (len(messages) + 1)
+    return Tokens(_capped(-(-chars // CHARS_PER_TOKEN) + framing), _output(params, default_output))
+
+
+def of_call(catalog: Catalog, settings: Settings, c: Candidate, request: Request) -> Tokens:
+    """The estimate of a task's call to candidate ``c``: the model's params under the
+    task's, and the output the provider's kind assumes when they set no max_tokens."""
+    kind = catalog.provider(c.provider).kind
+    default = chat.DEFAULT_MAX_TOKENS.get(kind, settings.output_token_estimate)
+    params = chat.params_for(catalog.model(c.model).params, request.payload)
+    return estimate(request.text, request.payload, params, default)
+
+
+def _chars(content: Any) -> int:
+    """The characters of a message's content: its text, else its JSON."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" for p in content
+    ):
+        return len(chat.joined_text(content))
+    return len(json.dumps(content, separators=(",", ":"), default=str))
+
+
+def _output(params: Mapping[str, Any], default: int) -> int:
+    most = params.get("max_tokens", params.get("max_completion_tokens", default))
+    choices = params.get("n", 1)
+    return _capped(int(most) * int(choices))
+
+
+def _capped(tokens: int) -> int:
+    return min(tokens, chat.MAX_COUNT)

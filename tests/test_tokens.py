@@ -1,0 +1,263 @@
+"""Token windows (tpm, itpm, otpm per provider account): the estimate of a call, the
+window that admits it against the database (SQLite and Postgres, an injected clock),
+the answer's usage replacing the estimate, and a call too large to ever be admitted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from agentbus.admission import tokens
+from agentbus.admission.admission import Admission, Permit
+from agentbus.admission.cooldowns import CooldownStore
+from agentbus.admission.gates import Code, Refusal
+from agentbus.admission.routing import Candidate
+from agentbus.admission.tokens import Request, Tokens
+from agentbus.catalog import parse_catalog
+from agentbus.config import load_config
+from agentbus.db import Database
+from agentbus.errors import ConfigError
+from agentbus.providers.outcomes import Failed, Succeeded, Usage
+from agentbus.schema import call_slots
+from tests.support import FakeClock
+
+# -- the estimate -------------------------------------------------------------
+
+
+def test_the_input_estimate_is_characters_over_four_plus_framing_per_message() -> None:
+    text = "x" * 400
+    assert tokens.estimate(text, {}, {}, 1024) == Tokens(100 + 4 * 2, 1024)
+    payload = {
+        "system": "s" * 40,
+        "messages": [
+            {"role": "user", "content": "u" * 41},
+            {"role": "assistant", "content": [{"type": "text", "text": "a" * 40}]},
+        ],
+    }
+    # system 40 + 41 + 40 + the task text as the last user turn (400): 521 chars -> 131
+    assert tokens.estimate(text, payload, {}, 1024).input == 131 + 4 * 4
+
+
+def test_the_output_estimate_is_what_the_call_may_answer_at_most() -> None:
+    assert tokens.estimate("hi", {}, {"max_tokens": 300}, 1024).output == 300
+    assert tokens.estimate("hi", {}, {"max_completion_tokens": 70, "n": 3}, 1024).output == 210
+    assert tokens.estimate("hi", {}, {}, 555).output == 555
+
+
+def test_tools_and_payloads_that_are_not_a_conversation_count_by_their_json() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    plain = tokens.estimate("hi", {}, {}, 1).input
+    assert tokens.estimate("hi", {}, {"tools": tools}, 1).input > plain
+    odd = {"messages": "not a list", "blob": "z" * 4000}  # a command provider's own shape
+    assert tokens.estimate("hi", odd, {}, 1).input >= 1000
+
+
+# -- the catalog --------------------------------------------------------------
+
+
+def test_token_limits_are_set_per_provider_and_overridden_per_account() -> None:
+    catalog = parse_catalog(
+        {
+            "providers": {
+                "sim": {
+                    "kind": "simulated",
+                    "rpm": 60,
+                    "tpm": 1000,
+                    "otpm": 300,
+                    "accounts": {"a": {}, "b": {"tpm": 5000, "itpm": 4000}},
+                }
+            }
+        }
+    )
+    a, b = catalog.provider("sim").accounts
+    assert (a.rpm, a.token_limits) == (60, {"tpm": 1000, "otpm": 300})
+    assert (b.rpm, b.token_limits) == (60, {"tpm": 5000, "itpm": 4000, "otpm": 300})
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"tpm": -5}, r"\[providers.sim\] tpm must be a whole number of at least 1, got -5"),
+        ({"itpm": "lots"}, "itpm must be a whole number of at least 1, got 'lots'"),
+        ({"otpm": 2.5}, "otpm must be a whole number"),
+        ({"tpm": True}, "tpm must be a whole number"),
+        ({"accounts": {"a": {"tpm": 0}}}, "account 'a' tpm must be a whole number"),
+        ({"accounts": {"a": {"tokens": 9}}}, "account 'a'"),
+    ],
+)
+def test_bad_token_limits_are_one_clear_error(body: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_catalog({"providers": {"sim": {"kind": "simulated", **body}}})
+
+
+def test_an_output_estimate_out_of_range_is_refused_at_load(tmp_path: Path) -> None:
+    path = tmp_path / "agentbus.toml"
+    path.write_text("output_token_estimate = 0\n")
+    with pytest.raises(ConfigError, match="output_token_estimate must be a whole number"):
+        load_config(path, environ={})
+    model = '[providers.sim]\nkind = "simulated"\n[models."sim/x"]\nprovider = "sim"\n'
+    path.write_text(model + "params = { max_tokens = 9e99 }\n")
+    with pytest.raises(ConfigError, match="max_tokens must be a whole number"):
+        load_config(path, environ={})
+    path.write_text(model + "params = { max_tokens = 3000000000 }\n")
+    with pytest.raises(ConfigError, match="max_tokens must be a whole number from 1 to"):
+        load_config(path, environ={})
+
+
+# -- the windows --------------------------------------------------------------
+
+CONFIG = """
+rpm_window_sec = 60
+admission_wait_ms = 0
+[providers.sim]
+kind = "simulated"
+{limits}
+[providers.sim.accounts.a]
+[providers.sim.accounts.b]
+"""
+
+
+def admissions(
+    db: Database, clock: FakeClock, tmp_path: Path, limits: str, n: int = 2
+) -> list[Admission]:
+    """``n`` admissions (as ``n`` workers) sharing the database, on one config."""
+    path = tmp_path / "agentbus.toml"
+    path.write_text(CONFIG.format(limits=limits))
+    config = load_config(path, environ={})
+    return [
+        Admission(
+            db,
+            config,
+            worker=f"w{i}",
+            cooldowns=CooldownStore(db, clock=clock, cache_sec=1e-9),
+            environ={},
+            clock=clock,
+            cache_sec=1e-9,
+        )
+        for i in range(n)
+    ]
+
+
+def account(adm: Admission, name: str = "a") -> Candidate:
+    found = adm.resolve(models=("sim/m",), role=None, agent="codex")
+    return next(c for c in found.candidates if c.account == name)
+
+
+def call(chars: int, max_tokens: int) -> Request:
+    """A call of ``chars`` characters of task text: ``chars / 4 + 8`` input tokens."""
+    return Request("x" * chars, {"params": {"max_tokens": max_tokens}})
+
+
+def ask(adm: Admission, request: Request | None, name: str = "a") -> Permit | Refusal:
+    return adm.admit(account(adm, name), agent="codex", task_id=1, lease_sec=60, request=request)
+
+
+def reserved(db: Database) -> list[tuple[Any, ...]]:
+    return [
+        tuple(row)
+        for row in db.read(
+            lambda conn: conn.execute(
+                sa.select(call_slots.c.tokens_in, call_slots.c.tokens_out).order_by(call_slots.c.id)
+            ).all()
+        )
+    ]
+
+
+def test_tpm_admits_while_the_estimate_fits_and_says_exactly_when_it_will(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    one, two = admissions(db, clock, tmp_path, "tpm = 1000")
+    start = clock.now
+    for i in range(4):  # 108 in + 100 out each: 832 of 1000, from two workers in turn
+        permit = ask((one, two)[i % 2], call(400, 100))
+        assert isinstance(permit, Permit), permit
+        permit.__exit__(None, None, None)  # no answer: the estimate stays
+        clock.advance(10)
+    assert reserved(db) == [(108, 100)] * 4
+    refusal = ask(one, call(400, 100))  # 832 + 208 > 1000: the oldest call must leave
+    assert isinstance(refusal, Refusal) and refusal.code is Code.RATE_LIMITED
+    assert refusal.retry_after == pytest.approx(start + 60)
+    assert refusal.as_dict(clock.now) == {
+        "code": -32000,
+        "name": "rate_limited",
+        "retry_after_ms": 20_000,
+        "suggested_action": "DO_NOT_RETRY_IMMEDIATELY",
+        "gate": "tpm",
+        "detail": "tpm: 1,000 tokens per 60s for sim/a",
+    }
+    larger = ask(two, call(1600, 100))  # 408 + 100: two calls must leave first
+    assert isinstance(larger, Refusal) and larger.retry_after == pytest.approx(start + 70)
+    assert isinstance(ask(one, call(400, 100), "b"), Permit)  # per account
+    # 9 + 160 tokens would make 1,001; 9 + 159 fill the window exactly.
+    assert isinstance(ask(one, Request("x", {"params": {"max_tokens": 160}})), Refusal)
+    assert isinstance(ask(one, Request("x", {"params": {"max_tokens": 159}})), Permit)
+    clock.now = start + 60.001
+    assert isinstance(ask(two, call(400, 100)), Permit)  # the oldest left
+    assert len(reserved(db)) == 7  # nothing reserved by a refusal
+
+
+def test_the_answer_s_usage_replaces_the_estimate(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    (adm,) = admissions(db, clock, tmp_path, "tpm = 1000", n=1)
+    for _ in range(4):
+        permit = ask(adm, call(400, 100))
+        assert isinstance(permit, Permit)
+        adm.finish(permit, Succeeded("ok", Usage(prompt_tokens=90, completion_tokens=10)))
+    assert reserved(db) == [(90, 10)] * 4
+    # 400 used, where the estimates held 832: the window has room for two more.
+    # An answer that reports nothing leaves the estimate; so does one that failed.
+    silent, failed = ask(adm, call(400, 100)), ask(adm, call(400, 100))
+    assert isinstance(silent, Permit) and isinstance(failed, Permit)
+    adm.finish(silent, Succeeded("ok"))
+    adm.finish(failed, Failed("boom", retryable=True))
+    assert reserved(db)[-2:] == [(108, 100), (108, 100)]
+    assert isinstance(ask(adm, call(400, 100)), Refusal)  # 816 + 208 > 1000
+
+
+def test_input_and_output_windows_count_their_own_side(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    (adm,) = admissions(db, clock, tmp_path, "itpm = 500\notpm = 250", n=1)
+    assert isinstance(ask(adm, call(400, 100)), Permit)
+    assert isinstance(ask(adm, call(400, 100)), Permit)
+    refusal = ask(adm, call(40, 100))  # 18 input tokens fit; 300 output do not
+    assert isinstance(refusal, Refusal) and refusal.gate == "otpm"
+    assert refusal.gates is not None and refusal.gates["itpm"] == "ok"
+    refusal = ask(adm, call(1200, 10))  # 308 input do not
+    assert isinstance(refusal, Refusal) and refusal.gate == "itpm"
+    assert isinstance(ask(adm, call(40, 10)), Permit)
+
+
+def test_a_call_larger_than_the_window_is_refused_for_good(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    (adm,) = admissions(db, clock, tmp_path, "tpm = 1000", n=1)
+    refusal = ask(adm, call(400, 2000))
+    assert isinstance(refusal, Refusal) and refusal.code is Code.TOO_LARGE
+    assert refusal.gate == "tpm" and refusal.as_dict(clock.now)["suggested_action"] == (
+        "DO_NOT_RETRY"
+    )
+    assert refusal.detail == (
+        "tpm: the call needs ~2,108 tokens, more than the 1,000 per 60s sim/a ever admits"
+    )
+    assert reserved(db) == []
+
+
+def test_a_call_of_unknown_size_is_admitted_while_the_window_has_room(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    """An inner permit (an agent's own SDK call) says nothing of its size before: it
+    reserves nothing, and counts what it reports after."""
+    (adm,) = admissions(db, clock, tmp_path, "tpm = 1000", n=1)
+    permit = ask(adm, None)
+    assert isinstance(permit, Permit)
+    adm.finish(permit, Succeeded("ok", Usage(prompt_tokens=900, completion_tokens=150)))
+    assert reserved(db) == [(900, 150)]
+    refusal = ask(adm, None)  # the window is over its limit
+    assert isinstance(refusal, Refusal) and refusal.gate == "tpm"
+    peeked = adm.peek(account(adm), agent="codex")
+    assert isinstance(peeked, Refusal) and peeked.retry_after == refusal.retry_after

@@ -1,0 +1,102 @@
+"""A token window shared by four real worker processes (SQLite, PostgreSQL, and
+PostgreSQL through PgBouncer), judged from the database and the simulated
+provider's journal."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from agentbus.queue import TaskQueue, reads
+from agentbus.queue.tasks import TaskSpec
+from agentbus.schema import call_slots
+from tests.support import wait_until
+from tests.test_admission_process import journal, live_queue, setup, statuses, stop, workers
+
+__all__ = ["live_queue"]  # the fixture, for the tests here
+pytestmark = pytest.mark.process
+
+WINDOW = 4
+LIMIT = 1040  # five calls of 108 + 100 tokens
+TOKENS = """
+rpm_window_sec = 4
+[providers.sim]
+kind = "simulated"
+tpm = 1040
+"""
+#: 400 characters and max_tokens 100: estimated 100 + 8 input and 100 output tokens; the
+#: simulated answer reports exactly that, so no window may ever hold more than LIMIT.
+TEXT = "word " * 80
+SCRIPT = {"sim/a": {"usage": {"prompt_tokens": 108, "completion_tokens": 100}}}
+
+
+def enqueue(queue: TaskQueue, n: int, max_tokens: int = 100) -> list[int]:
+    payload = {"params": {"max_tokens": max_tokens}, "simulate": SCRIPT}
+    return [
+        queue.enqueue(TaskSpec(agent="codex", command=TEXT, payload=payload, models=("sim/a",))).id
+        for _ in range(n)
+    ]
+
+
+def most_tokens_in_window(rows: list[tuple[float, int]], window: float) -> int:
+    """The most tokens the calls admitted in any ``window`` seconds hold."""
+    rows = sorted(rows)
+    return max(
+        (sum(n for at, n in rows[i:] if at < start + window) for i, (start, _) in enumerate(rows)),
+        default=0,
+    )
+
+
+def test_four_workers_share_a_token_window_and_pause_until_it_has_room(
+    db_url: str, live_queue: TaskQueue, spawn: Callable[..., object], tmp_path: Path
+) -> None:
+    queue = live_queue
+    db = queue.db
+    env, calls = setup(tmp_path, TOKENS)
+    ids = enqueue(queue, 15)
+    (huge,) = enqueue(queue, 1, max_tokens=2000)  # 2,108 tokens: more than the window
+    drained = workers(spawn, db_url, env, 4, "--drain")  # type: ignore[arg-type]
+    assert [p.wait() for p in drained] == [0] * 4, [p.text()[-2000:] for p in drained]
+
+    failed = queue.get(huge)
+    assert failed is not None and failed.status == "failed"
+    assert failed.last_error == (
+        "no usable model: sim/a: tpm: the call needs ~2,108 tokens, more than the "
+        "1,040 per 4s sim/- ever admits"
+    )
+    (route,) = reads.routes(db, task_id=huge)
+    assert route["decision"] == "refuse" and route["code"] == "too_large"
+
+    def admitted() -> list[tuple[float, int]]:
+        rows = db.read(
+            lambda conn: conn.execute(
+                sa.select(
+                    call_slots.c.admitted_at, call_slots.c.tokens_in + call_slots.c.tokens_out
+                )
+            ).all()
+        )
+        return [(at, int(n)) for at, n in rows]
+
+    first = admitted()
+    assert first and all(n == 208 for _, n in first)  # reserved, then reported alike
+    paused = [t for t in (queue.get(i) for i in ids) if t is not None and t.status == "paused"]
+    assert paused and len(paused) + len(first) == len(ids)
+    for task in paused:
+        assert "rate_limited" in (task.pause_reason or "")
+        (route,) = reads.routes(db, task_id=task.id)
+        assert route["refusal"]["gate"] == "tpm" and route["retry_after"] == task.resume_after
+        # Exactly when a call admitted before the refusal leaves the window.
+        assert task.resume_after is not None
+        assert any(task.resume_after == pytest.approx(at + WINDOW) for at, _ in first)
+
+    # The sweeper resumes them as the window frees; the limit holds throughout.
+    procs = [*workers(spawn, db_url, env, 4), spawn("sweeper", "--db", db_url, env=env)]  # type: ignore[arg-type]
+    wait_until(lambda: set(statuses(db, ids).values()) == {"done"}, timeout=90)
+    stop(procs)  # type: ignore[arg-type]
+    assert sorted(c["task_id"] for c in journal(calls)) == sorted(ids)  # each called once
+    rows = admitted()
+    assert len(rows) == len(ids)
+    assert most_tokens_in_window(rows, WINDOW) <= LIMIT
