@@ -73,6 +73,7 @@ defaults (fsync on, synchronous_commit on).
     python scripts/bench.py fleet --workers 200 --tasks 20000   # scripts/fleet.py
     python scripts/bench.py rows                    # 10 M rows: scripts/rows_bench.py
     python scripts/bench.py rows --paths-only       # what operators read: growth_bench.py
+    python scripts/bench.py tokens --ranks o200k_base.json  # token estimates: token_bench.py
 
 With ``pip install -e .[bench]`` the same no-op drain also runs through huey
 (SQLite), procrastinate and pgqueuer (PostgreSQL); see scripts/compare.py for
@@ -102,6 +103,7 @@ import psycopg
 import rows_bench
 import sqlalchemy as sa
 import startup
+import token_bench
 import turns
 from admission_bench import bench_admission, bench_fleet_admission, bench_mcp, bench_permits
 from processes import together
@@ -361,6 +363,8 @@ def main() -> None:
         sys.exit(fleet.main(sys.argv[2:]))
     if sys.argv[1:2] == ["rows"]:  # claim and retention on millions of rows: rows_bench.py
         sys.exit(rows_bench.main(sys.argv[2:]))
+    if sys.argv[1:2] == ["tokens"]:  # the token estimate's error: token_bench.py
+        sys.exit(token_bench.main(sys.argv[2:]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--backends",

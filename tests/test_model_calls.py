@@ -21,7 +21,7 @@ from agentbus.providers.anthropic import DEFAULT_MAX_TOKENS, AnthropicProvider
 from agentbus.providers.command import CommandProvider
 from agentbus.providers.openai import OpenAIProvider
 from agentbus.providers.outcomes import AuthFailed, Failed, RateLimited, Succeeded, TimedOut, Usage
-from agentbus.providers.ratelimits import exhausted_for, reset_in
+from agentbus.providers.ratelimits import announced, exhausted_for, reset_in
 from agentbus.queue.tasks import TaskSpec
 from tests.mock_llm import ANTHROPIC_PATH, Answer, MockLLM, anthropic_answer, openai_answer
 
@@ -380,6 +380,36 @@ def test_a_success_whose_headers_say_nothing_is_left_carries_the_reset(mock_llm:
     assert isinstance(answered, Succeeded) and answered.limit_reset_sec == 45.0
     refused = provider.call(call())  # a 429 without retry-after: the reset says how long
     assert isinstance(refused, RateLimited) and refused.retry_after_sec == 45.0
+
+
+def test_the_token_windows_an_answer_announces(mock_llm: MockLLM) -> None:
+    assert announced(
+        {
+            "x-ratelimit-limit-tokens": "30000",
+            "x-ratelimit-remaining-tokens": "29000",
+            "anthropic-ratelimit-input-tokens-limit": " 40000 ",
+            "anthropic-ratelimit-output-tokens-limit": "8000",
+            "anthropic-ratelimit-output-tokens-remaining": "9000",  # more than the limit
+            "anthropic-ratelimit-tokens-limit": "8000",  # the tighter of the two: no window
+        }
+    ) == {"tpm": (30000, 29000), "itpm": (40000, None), "otpm": (8000, None)}
+    with structlog.testing.capture_logs() as logs:
+        assert announced({"x-ratelimit-limit-tokens": "-3"}) == {}
+        assert announced({"x-ratelimit-limit-tokens": "1e9"}) == {}
+        assert announced({"anthropic-ratelimit-input-tokens-limit": "9" * 20}) == {}
+    assert [e["header"] for e in logs] == [
+        "x-ratelimit-limit-tokens",
+        "x-ratelimit-limit-tokens",
+        "anthropic-ratelimit-input-tokens-limit",
+    ]
+    said = {
+        "anthropic-ratelimit-input-tokens-limit": "40000",
+        "anthropic-ratelimit-input-tokens-remaining": "39000",
+    }
+    mock_llm.queue(Answer(200, None, said))
+    answered = anthropic_at(mock_llm.url).call(call())
+    assert isinstance(answered, Succeeded) and answered.announced == (("itpm", 40000, 39000),)
+    assert answered.limit_reset_sec is None
 
 
 # -- the command provider's request file ----------------------------------------------

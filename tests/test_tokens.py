@@ -14,14 +14,15 @@ from agentbus.admission import tokens
 from agentbus.admission.admission import Admission, Permit
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import Code, Refusal
+from agentbus.admission.permits import Permits
 from agentbus.admission.routing import Candidate
 from agentbus.admission.tokens import Request, Tokens
 from agentbus.catalog import parse_catalog
 from agentbus.config import load_config
 from agentbus.db import Database
-from agentbus.errors import ConfigError
+from agentbus.errors import ConfigError, Refused
 from agentbus.providers.outcomes import Failed, Succeeded, Usage
-from agentbus.schema import call_slots
+from agentbus.schema import account_limits, call_slots
 from tests.support import FakeClock
 
 # -- the estimate -------------------------------------------------------------
@@ -39,6 +40,8 @@ def test_the_input_estimate_is_characters_over_four_plus_framing_per_message() -
     }
     # system 40 + 41 + 40 + the task text as the last user turn (400): 521 chars -> 131
     assert tokens.estimate(text, payload, {}, 1024).input == 131 + 4 * 4
+    # Digits and punctuation make short tokens: each counts twice.
+    assert tokens.estimate("12, 34" * 100, {}, {}, 1).input == (600 + 500) // 4 + 4 * 2
 
 
 def test_the_output_estimate_is_what_the_call_may_answer_at_most() -> None:
@@ -261,3 +264,82 @@ def test_a_call_of_unknown_size_is_admitted_while_the_window_has_room(
     assert isinstance(refusal, Refusal) and refusal.gate == "tpm"
     peeked = adm.peek(account(adm), agent="codex")
     assert isinstance(peeked, Refusal) and peeked.retry_after == refusal.retry_after
+
+
+def test_an_account_without_a_configured_window_learns_the_one_its_answers_announce(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    one, two = admissions(db, clock, tmp_path, "otpm = 5000")
+    said = Succeeded("ok", Usage(108, 100), announced=(("tpm", 500, 292), ("otpm", 99, 0)))
+    permit = ask(one, call(400, 100))  # no token window yet but otpm
+    assert isinstance(permit, Permit)
+    one.finish(permit, said)
+    rows = db.read(
+        lambda conn: conn.execute(
+            sa.select(account_limits.c.gate, account_limits.c.size, account_limits.c.account)
+        ).all()
+    )
+    assert [tuple(r) for r in rows] == [("tpm", 500, "a")]  # the configured otpm wins
+    # Every process takes it up at its next read: the window has 208 of 500 used.
+    assert isinstance(ask(two, call(400, 100)), Permit)  # 416
+    refusal = ask(two, call(400, 100))  # 624 > 500
+    assert isinstance(refusal, Refusal) and refusal.gate == "tpm"
+    assert refusal.detail == "tpm: 500 tokens per 60s for sim/a"
+    assert isinstance(ask(two, call(400, 100), "b"), Permit)  # account b learnt nothing
+    # A later announcement replaces it; the same one again writes nothing.
+    for size in (500, 5000, 5000):
+        permit = ask(one, None, "b")
+        assert isinstance(permit, Permit)
+        one.finish(permit, Succeeded("ok", Usage(1, 1), announced=(("tpm", size, None),)))
+        clock.advance(1)
+    rows = db.read(
+        lambda conn: conn.execute(
+            sa.select(account_limits.c.size, account_limits.c.observed_at).where(
+                account_limits.c.account == "b"
+            )
+        ).all()
+    )
+    assert [tuple(r) for r in rows] == [(5000, clock.now - 2)]
+    assert isinstance(ask(two, call(400, 100)), Refusal)  # account a: still 500
+    assert isinstance(ask(two, call(400, 100), "b"), Permit)  # b: 5000
+
+
+def test_what_an_announced_window_has_left_counts_the_account_s_other_clients(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    (adm,) = admissions(db, clock, tmp_path, "", n=1)
+    permit = ask(adm, call(400, 100))  # no window known yet: nothing is reserved
+    assert isinstance(permit, Permit) and permit.slot_id is None
+    start = clock.now
+    adm.finish(permit, Succeeded("ok", Usage(108, 100), announced=(("tpm", 1000, 200),)))
+    # 800 used by the provider's count, none by the window's: 800 from elsewhere.
+    assert reserved(db) == [(800, 0)]
+    clock.advance(5)
+    refusal = ask(adm, call(400, 100))  # 800 + 208 > 1000
+    assert isinstance(refusal, Refusal) and refusal.gate == "tpm"
+    assert refusal.retry_after == pytest.approx(start + 60)
+    small = ask(adm, Request("x", {"params": {"max_tokens": 150}}))  # 159: fits
+    assert isinstance(small, Permit)
+    # Said again with as much used: the window holds it already, nothing is added; less
+    # than half the window used is not counted at all.
+    adm.finish(small, Succeeded("ok", Usage(9, 150), announced=(("tpm", 1000, 41),)))
+    unknown = ask(adm, None)
+    assert isinstance(unknown, Permit)
+    adm.finish(unknown, Succeeded("ok", Usage(0, 0), announced=(("tpm", 1000, 600),)))
+    assert reserved(db) == [(800, 0), (9, 150), (0, 0)]
+
+
+def test_an_inner_permit_holds_the_tokens_it_says_it_uses(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    (adm,) = admissions(db, clock, tmp_path, "tpm = 1000", n=1)
+    permits = Permits(adm)
+    with permits.permit("sim/m", agent="codex", tokens=900) as first:
+        assert first.account == "a"
+        with permits.permit("sim/m", agent="codex", tokens=200) as second:
+            assert second.account == "b"  # a holds 900: 1,100 would not fit
+            second.report(usage={"prompt_tokens": 150, "completion_tokens": 40})
+    assert reserved(db) == [(900, 0), (150, 40)]
+    with pytest.raises(Refused) as refused, permits.permit("sim/m", agent="codex", tokens=1001):
+        pass
+    assert refused.value.name == "too_large"

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any
 
 from sqlalchemy.engine import Connection
 
@@ -35,7 +35,9 @@ from agentbus.admission.circuit import CircuitStore
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import (
     SLOT_CODES,
+    Admissible,
     Code,
+    Cooled,
     Refusal,
     circuit_admits,
     circuit_failure,
@@ -84,20 +86,6 @@ class Permit:
             self.admission.finish(self, None)
 
 
-class Cooled(NamedTuple):
-    """What a cooling answer put in cooldown (``model`` or ``model@account``), and until when."""
-
-    key: str
-    until: float
-
-
-@dataclass(frozen=True)
-class Admissible:
-    """A peek's yes: ``room`` more calls fit now (None: no limit counts them)."""
-
-    room: int | None = None
-
-
 class Admission:
     def __init__(
         self,
@@ -129,6 +117,7 @@ class Admission:
         self.cache_sec = cache_sec
         self._read_at: float | None = None
         self._unusable: set[accounts.Unusable] = set()
+        self.learnt = accounts.LearntWindows(every=cache_sec)  # windows answers announced
         self._resolutions = KeptResolutions()
         self._limits = KeptLimits()
         # A reloaded config applies at the next call: windows, slots and circuits
@@ -177,7 +166,7 @@ class Admission:
         agent: str,
         task_id: int | None,
         lease_sec: float | None = None,
-        request: tokens.Request | None = None,
+        request: tokens.Request | tokens.Tokens | None = None,
     ) -> Permit | Refusal:
         """A permit for one call now, or the refusal of the gate that admits last.
 
@@ -185,8 +174,8 @@ class Admission:
         the gates. Slots held by others (concurrency, bulkhead) are waited for
         up to ``admission_wait_ms`` before refusing. ``lease_sec``: how long the
         slots are held at most (default: every try of the call, with margin).
-        ``request``: what the call sends, which the token windows estimate (None:
-        not known; admitted while they have room).
+        ``request``: what the call sends, which the token windows estimate, or the
+        tokens it will use (None: not known; admitted while they have room).
         """
         lease = self.lease_for(candidate) if lease_sec is None else lease_sec
         budget = self.budget
@@ -217,7 +206,7 @@ class Admission:
         agent: str,
         task_id: int | None,
         lease_sec: float,
-        request: tokens.Request | None,
+        request: tokens.Request | tokens.Tokens | None,
     ) -> Permit | Refusal:
         wait = self.settings.admission_wait_ms / 1000
         attempt = self._admit_once
@@ -252,7 +241,7 @@ class Admission:
         task_id: int | None,
         lease_sec: float,
         take: bool,
-        request: tokens.Request | None = None,
+        request: tokens.Request | tokens.Tokens | None = None,
     ) -> Permit | Refusal | Admissible | None:
         """Permit or refusal; when not ``take``-ing, Admissible (or None: no limit)."""
         now = self.clock()
@@ -271,10 +260,12 @@ class Admission:
             if isinstance(verdict, Refusal):
                 refusals.append(verdict)
             gates["circuit"] = verdict if isinstance(verdict, str) else "refused"
-        limits = self._limits.of(self.catalog, self.settings, c, agent)
+        limits = self._limits.of(self.catalog, self.settings, c, agent, self.learnt.known)
         limited = limits.any
         need = tokens.UNKNOWN
-        if limits.token_limits and request is not None:
+        if limits.token_limits and isinstance(request, tokens.Tokens):
+            need = request  # what the caller said the call uses
+        elif limits.token_limits and isinstance(request, tokens.Request):
             need = tokens.of_call(self.catalog, self.settings, c, request)
         too_large = limits.too_large(c, need) if limits.token_limits else None
         if too_large is not None:  # never admitted: whatever else refuses, this is final
@@ -374,6 +365,10 @@ class Admission:
         if permit.budget_slot is not None and self.budget is not None:
             self.budget.release(permit.budget_slot)
         self._release(permit, outcome)
+        if isinstance(outcome, Succeeded) and outcome.announced:  # windows to learn
+            c, window = permit.candidate, self.settings.rpm_window_sec
+            provider = self.catalog.provider(c.provider)
+            self.learnt.heard(self.db, provider, c, outcome.announced, self.clock(), window)
         match outcome:
             case RateLimited() | TimedOut() | Succeeded() if cools(outcome):
                 return self._cool(permit.candidate, outcome)
@@ -489,6 +484,7 @@ class Admission:
 
         def work(conn: Connection) -> set[accounts.Unusable]:
             self.circuits.load(conn)
+            self.learnt.load(conn)
             return accounts.unusable(conn)
 
         self._unusable = self.db.read(work)

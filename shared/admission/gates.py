@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from agentbus.providers.outcomes import (
     Failed,
@@ -98,6 +98,20 @@ class Refusal:
             "gate": self.gate,
             "detail": self.detail,
         }
+
+
+class Cooled(NamedTuple):
+    """What a cooling answer put in cooldown (``model`` or ``model@account``), and until when."""
+
+    key: str
+    until: float
+
+
+@dataclass(frozen=True)
+class Admissible:
+    """A peek's yes: ``room`` more calls fit now (None: no limit counts them)."""
+
+    room: int | None = None
 
 
 def refuse(refusals: list[Refusal], gates: dict[str, Any]) -> Refusal | None:

@@ -40,11 +40,22 @@ class Limits:
     token_window: float = 60.0
 
     @classmethod
-    def of(cls, catalog: Catalog, settings: Settings, c: Candidate, agent: str) -> Limits:
+    def of(
+        cls,
+        catalog: Catalog,
+        settings: Settings,
+        c: Candidate,
+        agent: str,
+        learnt: Mapping[tuple[str, str], Mapping[str, int]] | None = None,
+    ) -> Limits:
+        """The gates of a call to ``c`` for ``agent``; ``learnt``: the token windows the
+        accounts' answers announced, for those the config does not set."""
         provider = catalog.provider(c.provider)
         account = provider.account(c.account)
         agent_config = catalog.agents.get(agent)
         size = catalog.bulkheads.get(c.bulkhead) if c.bulkhead else None
+        announced = (learnt or {}).get((c.provider, c.account), {})
+        token_limits = {**announced, **(account.token_limits if account else {})}
         return cls(
             settings.global_concurrency,
             provider.concurrency,
@@ -55,7 +66,7 @@ class Limits:
             else None,
             settings.daily_token_budget,
             settings.daily_cost_budget,
-            tuple(account.token_limits.items()) if account else (),
+            tuple(token_limits.items()),
             settings.rpm_window_sec,
         )
 
@@ -249,22 +260,33 @@ class Limits:
 
 class KeptLimits:
     """``Limits.of`` for a worker, which asks for the same few at every call: answers
-    kept while the catalog and the settings are the same objects (a reload replaces
-    them)."""
+    kept while the catalog, the settings and the learnt windows are the same objects
+    (a reload replaces them; so does learning a window)."""
 
     MAX = 256  # (candidate, agent) pairs kept for one catalog
 
     def __init__(self) -> None:
-        self._for: tuple[Catalog | None, Settings | None] = (None, None)
+        self._for: tuple[Catalog | None, Settings | None, object] = (None, None, None)
         self._answers: dict[tuple[Candidate, str], Limits] = {}
 
-    def of(self, catalog: Catalog, settings: Settings, c: Candidate, agent: str) -> Limits:
-        if self._for[0] is not catalog or self._for[1] is not settings:
-            self._for, self._answers = (catalog, settings), {}
+    def of(
+        self,
+        catalog: Catalog,
+        settings: Settings,
+        c: Candidate,
+        agent: str,
+        learnt: Mapping[tuple[str, str], Mapping[str, int]],
+    ) -> Limits:
+        if (
+            self._for[0] is not catalog
+            or self._for[1] is not settings
+            or self._for[2] is not learnt
+        ):
+            self._for, self._answers = (catalog, settings, learnt), {}
         answers = self._answers
         found = answers.get((c, agent))
         if found is None:
-            found = Limits.of(catalog, settings, c, agent)
+            found = Limits.of(catalog, settings, c, agent, learnt)
             if len(answers) < self.MAX:
                 answers[(c, agent)] = found
         return found
@@ -339,11 +361,20 @@ def counts_statement(
 
 
 #: What each token window counts of a call.
-_TOKENS_OF = {
+TOKENS_OF = {
     "tpm": call_slots.c.tokens_in + call_slots.c.tokens_out,
     "itpm": call_slots.c.tokens_in,
     "otpm": call_slots.c.tokens_out,
 }
+
+
+#: The calls of an account's token windows (``p_provider``, ``p_account``) admitted after
+#: ``p_tokens_since``.
+IN_TOKEN_WINDOW = sa.and_(
+    _WINDOWS["rpm"],
+    call_slots.c.tokens_in.is_not(None),
+    call_slots.c.admitted_at > sa.bindparam("p_tokens_since", type_=sa.Float),
+)
 
 
 def token_window_blocker(gate: str) -> Any:
@@ -352,17 +383,13 @@ def token_window_blocker(gate: str) -> Any:
     window is summed with the calls after it (newest first); the newest whose sum is
     above ``p_<gate>_room`` is the one: once it has left, what stays fits."""
     newer = (
-        sa.func.sum(_TOKENS_OF[gate])
+        sa.func.sum(TOKENS_OF[gate])
         .over(order_by=(call_slots.c.admitted_at.desc(), call_slots.c.id.desc()))
         .label("newer")
     )
     in_window = (
         sa.select(call_slots.c.admitted_at.label("at"), newer)
-        .where(
-            _WINDOWS["rpm"],
-            call_slots.c.tokens_in.is_not(None),
-            call_slots.c.admitted_at > sa.bindparam("p_tokens_since", type_=sa.Float),
-        )
+        .where(IN_TOKEN_WINDOW)
         .subquery(f"{gate}_calls")
     )
     room = sa.bindparam(f"p_{gate}_room", type_=sa.BigInteger)

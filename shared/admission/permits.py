@@ -26,12 +26,12 @@ from agentbus.admission.admission import Admission, Permit
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import Refusal
 from agentbus.admission.routing import Candidate, Route
+from agentbus.admission.tokens import Tokens
 from agentbus.catalog.model import NAME_RE
 from agentbus.config import Config, LiveConfig
 from agentbus.db import Database
 from agentbus.errors import ConfigError, InvalidTask, Refused
 from agentbus.providers.outcomes import Outcome, Succeeded, Usage
-from agentbus.providers.ratelimits import exhausted_for
 
 
 class CallPermit:
@@ -57,7 +57,7 @@ class CallPermit:
         """What the call answered: its HTTP ``status`` and ``headers`` (a 429's
         ``retry-after``, the rate-limit headers of a 200) and its token ``usage``
         (``prompt_tokens``, ``completion_tokens``, for the daily budgets)."""
-        from agentbus.providers.http import status_outcome
+        from agentbus.providers.http import learnt_from, status_outcome
 
         lowered = {str(k).lower(): str(v) for k, v in (headers or {}).items()}
         if status == 200:
@@ -66,7 +66,7 @@ class CallPermit:
                 if usage is not None
                 else Usage(self.tokens or 0)
             )
-            self.outcome = Succeeded("", counted, limit_reset_sec=exhausted_for(lowered))
+            self.outcome = learnt_from(Succeeded("", counted), lowered)
         else:
             detail = f"{self._permit.candidate.provider}: HTTP {status}"
             self.outcome = status_outcome(status, lowered, detail)
@@ -100,8 +100,9 @@ class Permits:
 
     @contextmanager
     def permit(self, model: str, *, agent: str, tokens: int | None = None) -> Iterator[CallPermit]:
-        """``tokens``: what the call will use (its prompt and answer), counted in the
-        usage ledger, and so by the daily token budget, unless the block reports usage."""
+        """``tokens``: what the call will use (its prompt and answer), held in the account's
+        token windows and counted in the usage ledger, and so by the daily token budget,
+        unless the block reports usage."""
         if tokens is not None and (
             isinstance(tokens, bool)
             or not isinstance(tokens, int)
@@ -124,8 +125,9 @@ class Permits:
             left_out = "; ".join(resolved.left_out) or "no account of its provider is usable"
             raise ConfigError(f"no permit for {model!r}: {left_out}")
         refusals: list[Refusal] = []
+        need = Tokens(tokens, 0) if tokens is not None else None  # held in the token windows
         for candidate in resolved.candidates:  # each account of the model's provider
-            answer = admission.admit(candidate, agent=agent, task_id=None)
+            answer = admission.admit(candidate, agent=agent, task_id=None, request=need)
             if isinstance(answer, Refusal):
                 refusals.append(answer)
                 continue

@@ -18,6 +18,8 @@ from sqlalchemy.engine import Connection
 
 from agentbus.admission.circuit import COUNT_SUCCESS, END_RUN
 from agentbus.admission.limits import (
+    IN_TOKEN_WINDOW,
+    TOKENS_OF,
     WINDOW_SEQ,
     Limits,
     admits,
@@ -180,6 +182,35 @@ class Ask:
         reserved = limits.reserved(self.need)
         slot = row(c, agent, self.task_id, worker, now, self.lease_sec, reserved)
         return limits.params(c, agent, now, self.need) | slot
+
+
+@functools.cache
+def count_elsewhere(gate: str) -> sa.Insert:
+    """The tokens an answer says the account's window ``gate`` holds (``p_used``: its
+    limit less what remains) beyond those it counts: a call of the account's other
+    clients, released as it is taken, which the window then counts until it leaves.
+    Parameters: ``p_provider``, ``p_account``, ``p_model``, ``p_now``,
+    ``p_tokens_since``, ``p_used``."""
+    counted = (
+        sa.select(sa.func.coalesce(sa.func.sum(TOKENS_OF[gate]), 0))
+        .where(IN_TOKEN_WINDOW)
+        .scalar_subquery()
+    )
+    beyond = sa.bindparam("p_used", type_=sa.BigInteger) - counted
+    now = sa.bindparam("p_now", type_=sa.Float)
+    row = {
+        "provider": sa.bindparam("p_provider", type_=sa.Text),
+        "account": sa.bindparam("p_account", type_=sa.Text),
+        "model": sa.bindparam("p_model", type_=sa.Text),
+        "agent": sa.literal(""),
+        "admitted_at": now,
+        "lease_until": now,
+        "released_at": now,
+        "tokens_in": sa.literal(0) if gate == "otpm" else beyond,
+        "tokens_out": beyond if gate == "otpm" else sa.literal(0),
+    }
+    typed = [sa.cast(value, call_slots.c[name].type) for name, value in row.items()]
+    return sa.insert(call_slots).from_select(list(row), sa.select(*typed).where(beyond > 0))
 
 
 def purge(conn: Connection, cutoff: float, now: float) -> int:

@@ -32,7 +32,7 @@ from agentbus.providers.outcomes import (
     Succeeded,
     TimedOut,
 )
-from agentbus.providers.ratelimits import exhausted_for, retry_after
+from agentbus.providers.ratelimits import announced, exhausted_for, retry_after
 
 MAX_BODY = 65_536  # of an error answer, read for its detail
 DETAIL_CHARS = 300
@@ -96,8 +96,7 @@ class HTTPProvider:
                 answered = self.answer(response.json())
             except (ValueError, KeyError, IndexError, TypeError, AttributeError):
                 return Failed(f"{self.config.name}: malformed answer", retryable=True)
-            reset = exhausted_for(response.headers)
-            return dataclasses.replace(answered, limit_reset_sec=reset) if reset else answered
+            return learnt_from(answered, response.headers)
         # Masked whole, then cut: a key straddling the cut cannot leave a readable part.
         body = masking.mask(response.text[:MAX_BODY])
         detail = f"{self.config.name}: HTTP {status} {body}".strip()[:DETAIL_CHARS]
@@ -105,6 +104,16 @@ class HTTPProvider:
 
     def close(self) -> None:
         self._client.close()
+
+
+def learnt_from(answered: Succeeded, headers: Mapping[str, str]) -> Succeeded:
+    """A success with what its rate-limit ``headers`` said: how long nothing is left (if
+    so), and the token windows they announce."""
+    reset = exhausted_for(headers)
+    windows = tuple((gate, *said) for gate, said in announced(headers).items())
+    if not reset and not windows:
+        return answered
+    return dataclasses.replace(answered, limit_reset_sec=reset, announced=windows)
 
 
 def status_outcome(status: int, headers: Mapping[str, str], detail: str) -> Outcome:

@@ -29,6 +29,9 @@ class Succeeded:
     # The answer's rate-limit headers say the account has no request (or token) left
     # for this many seconds: its model is cooled that long without waiting for a 429.
     limit_reset_sec: float | None = None
+    # The token windows its headers announce: (window, limit, remaining or None), for an
+    # account with none configured (``ratelimits.announced``).
+    announced: tuple[tuple[str, int, int | None], ...] = ()
 
     def detail(self, model: str) -> dict[str, Any]:
         """What the task's ``result_detail`` keeps besides the text."""

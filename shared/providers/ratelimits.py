@@ -7,7 +7,10 @@ rate-limit headers vendors send with every answer — OpenAI's
 ``-tokens``), Anthropic's ``anthropic-ratelimit-requests-remaining`` /
 ``-requests-reset`` (and ``-tokens``, ``-input-tokens``, ``-output-tokens``) —
 and says for how long nothing is left. Resets come as durations (``6m0s``,
-``1.5s``, ``20ms``, plain seconds) or RFC 3339 times. A malformed value is
+``1.5s``, ``20ms``, plain seconds) or RFC 3339 times. ``announced`` reads the
+token limits an answer announces (``x-ratelimit-limit-tokens``, Anthropic's
+``-input-tokens-limit`` and ``-output-tokens-limit``) and what remains of them:
+the token windows of an account with none configured. A malformed value is
 ignored with a debug line: a header must never fail a call.
 """
 
@@ -32,6 +35,23 @@ FAMILIES = (
     ("anthropic-ratelimit-input-tokens-remaining", "anthropic-ratelimit-input-tokens-reset"),
     ("anthropic-ratelimit-output-tokens-remaining", "anthropic-ratelimit-output-tokens-reset"),
 )
+#: The token windows an answer announces: (window, its limit's header, what remains).
+#: Anthropic's ``anthropic-ratelimit-tokens-*`` is the tighter of its two, not a third.
+ANNOUNCED = (
+    ("tpm", "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens"),
+    (
+        "itpm",
+        "anthropic-ratelimit-input-tokens-limit",
+        "anthropic-ratelimit-input-tokens-remaining",
+    ),
+    (
+        "otpm",
+        "anthropic-ratelimit-output-tokens-limit",
+        "anthropic-ratelimit-output-tokens-remaining",
+    ),
+)
+#: A token limit above this is taken for a malformed value.
+MAX_LIMIT = 10**12
 #: A reset further away than this is taken for a malformed value.
 MAX_RESET_SEC = 2 * 86_400.0
 _DURATION = re.compile(
@@ -103,6 +123,33 @@ def exhausted_for(headers: Mapping[str, str], now: float | None = None) -> float
         if seconds > 0:
             longest = max(longest or 0.0, seconds)
     return longest
+
+
+def announced(headers: Mapping[str, str]) -> dict[str, tuple[int, int | None]]:
+    """The token windows an answer's headers announce: window -> (its limit, the tokens
+    that remain of it; None: not said). A limit that is not a whole number from 1 to
+    ``MAX_LIMIT`` is ignored, a remaining count outside 0..limit taken as unsaid."""
+    found: dict[str, tuple[int, int | None]] = {}
+    for gate, limit_name, remaining_name in ANNOUNCED:
+        raw = headers.get(limit_name)
+        if raw is None:
+            continue
+        limit = _count(raw)
+        if limit is None or not 1 <= limit <= MAX_LIMIT:
+            _ignored(limit_name, raw)
+            continue
+        left = headers.get(remaining_name)
+        remaining = _count(left) if left is not None else None
+        if remaining is not None and not 0 <= remaining <= limit:
+            _ignored(remaining_name, left)
+            remaining = None
+        found[gate] = (limit, remaining)
+    return found
+
+
+def _count(value: str) -> int | None:
+    text = value.strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 15 else None
 
 
 def reset_in(value: str, now: float) -> float | None:
