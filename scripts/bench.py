@@ -74,6 +74,7 @@ defaults (fsync on, synchronous_commit on).
     python scripts/bench.py rows                    # 10 M rows: scripts/rows_bench.py
     python scripts/bench.py rows --paths-only       # what operators read: growth_bench.py
     python scripts/bench.py tokens --ranks o200k_base.json  # token estimates: token_bench.py
+    python scripts/bench.py shares --backend postgresql     # fair shares: share_bench.py
 
 With ``pip install -e .[bench]`` the same no-op drain also runs through huey
 (SQLite), procrastinate and pgqueuer (PostgreSQL); see scripts/compare.py for
@@ -101,6 +102,7 @@ import measure
 import pooler_bench
 import psycopg
 import rows_bench
+import share_bench
 import sqlalchemy as sa
 import startup
 import token_bench
@@ -365,6 +367,8 @@ def main() -> None:
         sys.exit(rows_bench.main(sys.argv[2:]))
     if sys.argv[1:2] == ["tokens"]:  # the token estimate's error: token_bench.py
         sys.exit(token_bench.main(sys.argv[2:]))
+    if sys.argv[1:2] == ["shares"]:  # fair shares under a flood: share_bench.py
+        sys.exit(share_bench.main(sys.argv[2:]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--backends",

@@ -369,6 +369,19 @@ account_limits = sa.Table(
     sa.Column("observed_at", Epoch, nullable=False),
 )
 
+#: The agents waiting for a provider account's windows (refused by them), each with
+#: its share, until a little after their refusal said: while others wait, an agent
+#: gets its share at least (``admission.shares``).
+account_demand = sa.Table(
+    "account_demand",
+    metadata,
+    sa.Column("provider", Text, primary_key=True),
+    sa.Column("account", Text, primary_key=True),
+    sa.Column("agent", Text, primary_key=True),
+    sa.Column("share", sa.Float, nullable=False),
+    sa.Column("until", Epoch, nullable=False),
+)
+
 # -- the workspace client budget and the event log -------------------
 
 #: Named client slots held now: one row per (name, holder); a name counts once

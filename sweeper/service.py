@@ -94,6 +94,10 @@ class SweeperService:
         self.interval = interval
         self.peek = peek
         self.stopped = threading.Event()
+        # Held while a job runs: stopping waits for it before the scheduler's shutdown,
+        # which holds the scheduler's job-store lock while it waits for running jobs, and
+        # a job may be scheduling the next wake (which takes that lock): a deadlock.
+        self._running = threading.Lock()
         self._wake_at: float | None = None
         logging.getLogger("apscheduler.scheduler").addFilter(_SKIPS)
         self.scheduler = BackgroundScheduler(
@@ -124,6 +128,8 @@ class SweeperService:
         self.scheduler.start()
         log.info("sweeper_started", interval=self.interval, peek=self.peek)
         self.stopped.wait()
+        with self._running:  # the job running now ends first; the next ones do nothing
+            pass
         self.scheduler.shutdown(wait=True)
         log.info("sweeper_stopped")
 
@@ -168,11 +174,15 @@ class SweeperService:
         """Log and carry on: one failed pass must not stop the service."""
 
         def guarded() -> None:
-            try:
-                fn()
-            except Exception as exc:
-                OBSERVED.count("agentbus_sweep_job_failures", {"job": fn.__name__.strip("_")})
-                log.error("sweep_job_failed", job=fn.__name__, error=describe(exc))
+            with self._running:
+                if self.stopped.is_set():
+                    return
+                try:
+                    fn()
+                except Exception as exc:
+                    labels = {"job": fn.__name__.strip("_")}
+                    OBSERVED.count("agentbus_sweep_job_failures", labels)
+                    log.error("sweep_job_failed", job=fn.__name__, error=describe(exc))
 
         guarded.__name__ = fn.__name__
         return guarded

@@ -379,3 +379,32 @@ def test_one_failing_job_does_not_stop_the_others(
     assert failure["error"] == (
         "Exception: ON CONFLICT clause does not match any PRIMARY KEY or UNIQUE constraint"
     )
+
+
+def test_stopping_waits_for_a_job_that_is_scheduling_the_next_wake(
+    sweep: jobs.Sweep, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler's shutdown holds its job-store lock while it waits for the running
+    job; a job scheduling the next wake takes that lock. Stopping must not wait on it."""
+    import threading
+
+    from agentbus.sweeper import service as sweeper_service
+
+    inside, release = threading.Event(), threading.Event()
+
+    def held_next_wake(s: jobs.Sweep) -> float:
+        inside.set()
+        release.wait(30)
+        return s.clock() + 3600  # a wake to schedule: add_job
+
+    monkeypatch.setattr(jobs, "next_wake", held_next_wake)
+    monkeypatch.setattr(sweeper_service, "run_once", lambda s: {})
+    service = sweeper_service.SweeperService(sweep, interval=3600, peek=3600)
+    runner = threading.Thread(target=service.run, daemon=True)
+    runner.start()
+    assert inside.wait(30)  # the first pass is scheduling its wake
+    service.stop()
+    release.set()
+    runner.join(30)
+    assert not runner.is_alive(), "the sweeper did not stop"
+    assert service.scheduler.state == 0  # STATE_STOPPED

@@ -16,17 +16,27 @@ from sqlalchemy.engine import Connection
 
 from agentbus import masking
 from agentbus.admission import slots
+from agentbus.admission.routing import fingerprint
 from agentbus.db import dialect_insert
 from agentbus.db.compiled import prepared
 from agentbus.schema import account_limits, account_state
 
 if TYPE_CHECKING:
     from agentbus.admission.routing import Candidate
-    from agentbus.catalog import ProviderConfig
+    from agentbus.catalog import Catalog, ProviderConfig
     from agentbus.db import Database
 
 #: (provider, account, key fingerprint) of a refused credential.
 Unusable = tuple[str, str, str]
+
+
+def refused(catalog: Catalog, environ: Mapping[str, str] | None, c: Candidate) -> Unusable | None:
+    """What a refused credential of candidate ``c`` is known by (None: no key to know)."""
+    provider = catalog.provider(c.provider)
+    account = provider.account(c.account)
+    if account is None or environ is None:
+        return None
+    return (provider.name, account.name, fingerprint(provider, account, environ))
 
 
 def mark(conn: Connection, unusable: Unusable, reason: str, now: float) -> None:

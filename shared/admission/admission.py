@@ -29,7 +29,7 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from agentbus.admission import accounts, slots, tokens
+from agentbus.admission import accounts, shares, slots, tokens
 from agentbus.admission.budget import ClientBudget, Reserve, WorkspaceBudget
 from agentbus.admission.circuit import CircuitStore
 from agentbus.admission.cooldowns import CooldownStore
@@ -41,15 +41,12 @@ from agentbus.admission.gates import (
     Refusal,
     circuit_admits,
     circuit_failure,
-    cooldown_key,
-    cooldown_reason,
-    cooldown_until,
     cools,
     cost,
     refuse,
 )
 from agentbus.admission.limits import KeptLimits
-from agentbus.admission.routing import Candidate, KeptResolutions, Resolution, fingerprint
+from agentbus.admission.routing import Candidate, KeptResolutions, Resolution
 from agentbus.admission.slots import Ask
 from agentbus.catalog import Catalog
 from agentbus.config import Config, Configured, LiveConfig, Settings
@@ -118,6 +115,7 @@ class Admission:
         self._read_at: float | None = None
         self._unusable: set[accounts.Unusable] = set()
         self.learnt = accounts.LearntWindows(every=cache_sec)  # windows answers announced
+        self.demand = shares.Demand()  # this process's agents waiting for accounts
         self._resolutions = KeptResolutions()
         self._limits = KeptLimits()
         # A reloaded config applies at the next call: windows, slots and circuits
@@ -189,6 +187,7 @@ class Admission:
             return Refusal(Code.CLIENT_BUDGET, recheck, detail, "client_budget")
         try:
             answer = self._admit_gates(candidate, agent, task_id, lease, request)
+            self.demand.refused(self.db, self.live, candidate, agent, answer)
         except BaseException:
             if budget is not None:
                 budget.release(candidate.provider)
@@ -232,6 +231,7 @@ class Admission:
         (the sweeper's resume check: it resumes no more tasks than there is room for)."""
         answer = self._admit_once(candidate, agent, None, 0.0, False)
         assert not isinstance(answer, Permit)
+        self.demand.refused(self.db, self.live, candidate, agent, answer)
         return Admissible() if answer is None else answer
 
     def _admit_once(
@@ -286,14 +286,18 @@ class Admission:
             return Permit(self, c, None, False, gates) if take else None
 
         if take and limits.slot and gates.get("circuit", "ok") == "ok" and self._at_once:
-            return self.db.pinned.write_one(lambda conn: self._take_at_once(conn, ask, gates))
+            taken = self.db.pinned.write_one(lambda conn: self._take_at_once(conn, ask, gates))
+            if taken is not None:
+                return taken
 
         def work(conn: Connection) -> Permit | Refusal | Admissible:
             return self._check(conn, ask, gates, take)
 
         return self.db.pinned.write(work, durable=False) if take else self.db.read(work)
 
-    def _take_at_once(self, conn: Connection, ask: Ask, gates: dict[str, Any]) -> Permit | Refusal:
+    def _take_at_once(
+        self, conn: Connection, ask: Ask, gates: dict[str, Any]
+    ) -> Permit | Refusal | None:
         """PostgreSQL, with no circuit to read: lock the gates, count them and take the slot
         if every one admits, as one transaction in one round trip (``prepared.at_once``;
         the statement decides as ``Limits.read`` does, which then says why it refused)."""
@@ -301,13 +305,18 @@ class Admission:
         lock = slots.lock_step(conn.dialect, ask.lock_keys(gates))
         slot_gates, windows, _, budgets = limits.shape(take=True)
         take = prepared(
-            conn.dialect, slots.take_if_admitted(slot_gates, windows, budgets, limits.token_gates)
+            conn.dialect,
+            slots.take_if_admitted(
+                slot_gates, windows, budgets, limits.token_gates, limits.contended
+            ),
         )
         params = ask.params(self.worker, self.clock())
         row = at_once(conn, [*([lock] if lock else []), (take, params)])[-1][0]
         *counts, admitted_at, slot_id = row
         recheck = admitted_at + self.settings.admission_recheck_sec
         refusals, _ = limits.read(counts, c, agent, admitted_at, gates, take=True, recheck=recheck)
+        if slot_id is None and not refusals and gates.get("share") == "check":
+            return None  # other agents wait for the account: their shares decide too
         if (slot_id is None) != bool(refusals):  # a bug: the two readings must agree
             raise RuntimeError(
                 f"admission of {c.key}: the statement {'refused' if slot_id is None else 'took'}"
@@ -330,6 +339,10 @@ class Admission:
         refusals, rooms = limits.check(
             conn, c, ask.agent, now, gates, take=take, recheck=recheck, need=ask.need
         )
+        if gates.get("share") == "check":  # other agents wait for the account
+            fair = shares.check(conn, limits, c, ask.agent, limits.share, ask.need, now)
+            gates["share"] = "ok" if fair is None else "refused"
+            refusals += [fair] if fair is not None else []
         probe = False
         if "circuit" in gates and gates["circuit"] != "ok":
             provider = self.catalog.provider(c.provider)
@@ -371,24 +384,12 @@ class Admission:
             self.learnt.heard(self.db, provider, c, outcome.announced, self.clock(), window)
         match outcome:
             case RateLimited() | TimedOut() | Succeeded() if cools(outcome):
-                return self._cool(permit.candidate, outcome)
+                c, now = permit.candidate, self.clock()
+                accounts_of = len(self.catalog.provider(c.provider).accounts)
+                return self.cooldowns.cool(c, outcome, accounts_of, self.settings, now, self.worker)
             case AuthFailed(detail=detail):
                 self.mark_unusable(permit.candidate, detail)
         return None
-
-    def _cool(self, c: Candidate, outcome: RateLimited | TimedOut | Succeeded) -> Cooled:
-        """Cool the candidate's model down for every process (an account's quota: only
-        ``model@account``); a cooldown is never shortened. A success cools only when
-        its headers said the account has nothing left (until they said it resets)."""
-        accounts = len(self.catalog.provider(c.provider).accounts)
-        key = cooldown_key(outcome, c.model, c.key, accounts)
-        s = self.settings
-        until = cooldown_until(
-            outcome, self.clock(), s.model_cooldown_sec, s.model_timeout_cooldown_sec
-        )
-        reason = cooldown_reason(outcome)  # rate_limited, overloaded, timeout, limit_reached
-        effective = self.cooldowns.set(key, until, reason=reason, source=self.worker)
-        return Cooled(key, effective)
 
     def _release(self, permit: Permit, outcome: Outcome | None) -> None:
         """Give back the permit's slot and count the outcome in the provider's circuit."""
@@ -445,11 +446,9 @@ class Admission:
 
     def mark_unusable(self, candidate: Candidate, reason: str) -> None:
         """A refused credential: leave the account out until its config changes."""
-        provider = self.catalog.provider(candidate.provider)
-        account = provider.account(candidate.account)
-        if account is None or self.environ is None:
+        refused = accounts.refused(self.catalog, self.environ, candidate)
+        if refused is None:
             return
-        refused = (provider.name, account.name, fingerprint(provider, account, self.environ))
         now = self.clock()
         self.db.write(lambda conn: accounts.mark(conn, refused, reason, now))
         # Replaced, not changed in place: kept resolutions know the set by identity.
@@ -466,6 +465,7 @@ class Admission:
         def work(conn: Connection) -> int:
             gone = slots.purge(conn, cutoff, now)
             self.circuits.purge(conn, now)
+            shares.purge(conn, now)
             return gone
 
         return self.db.write(work)

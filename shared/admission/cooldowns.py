@@ -19,13 +19,16 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.admission import workspace_events
+from agentbus.admission.gates import Cooled, cooldown_key, cooldown_reason, cooldown_until
 from agentbus.db import Database, dialect_insert
 from agentbus.logging import get_logger
 from agentbus.schema import cooldown_history
 from agentbus.schema import model_cooldown as mc
 
 if TYPE_CHECKING:
+    from agentbus.admission.routing import Candidate
     from agentbus.config import Settings
+    from agentbus.providers.outcomes import RateLimited, Succeeded, TimedOut
 
 log = get_logger("agentbus.cooldowns")
 
@@ -127,6 +130,24 @@ class CooldownStore:
             log.info("cooldown_read_fast_again", read_ms=round(elapsed_ms, 1), cache_sec=self.ttl)
 
     # -- writing -------------------------------------------------------------
+
+    def cool(
+        self,
+        c: Candidate,
+        outcome: RateLimited | TimedOut | Succeeded,
+        accounts: int,
+        s: Settings,
+        now: float,
+        source: str,
+    ) -> Cooled:
+        """Cool the candidate's model down for every process after a cooling ``outcome``
+        (an account's quota, of one of ``accounts``: only ``model@account``); a cooldown
+        is never shortened. A success cools only when its headers said the account has
+        nothing left (until they said it resets)."""
+        key = cooldown_key(outcome, c.model, c.key, accounts)
+        until = cooldown_until(outcome, now, s.model_cooldown_sec, s.model_timeout_cooldown_sec)
+        reason = cooldown_reason(outcome)  # rate_limited, overloaded, timeout, limit_reached
+        return Cooled(key, self.set(key, until, reason=reason, source=source))
 
     def set(self, model: str, until: float, *, reason: str, source: str | None = None) -> float:
         """Cool ``model`` down until ``until`` at least; returns when its cooldown now ends."""

@@ -14,7 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from agentbus.admission import usage
+from agentbus.admission import shares, usage
 from agentbus.admission.gates import Code, Refusal, day_of, next_day, window_free_at
 from agentbus.admission.routing import Candidate
 from agentbus.admission.tokens import UNKNOWN, Tokens
@@ -38,6 +38,7 @@ class Limits:
     # The account's token windows (tpm, itpm, otpm: tokens per window), and their length.
     token_limits: tuple[tuple[str, int], ...] = ()
     token_window: float = 60.0
+    share: float = 1.0  # the agent's part of its account's windows when others wait
 
     @classmethod
     def of(
@@ -68,6 +69,7 @@ class Limits:
             settings.daily_cost_budget,
             tuple(token_limits.items()),
             settings.rpm_window_sec,
+            agent_config.share if agent_config else 1.0,
         )
 
     def lock_keys(self, c: Candidate, agent: str) -> list[str]:
@@ -143,7 +145,8 @@ class Limits:
         """The refusals of the limited gates, and the room each leaves (calls that fit now;
         windows count theirs only when not ``take``-ing: the sweeper's question). ``gates``
         gets each gate's result for the routing history; ``need``: the call's tokens."""
-        statement = prepared(conn.dialect, counts_statement(*self.shape(take), self.token_gates))
+        shape = (*self.shape(take), self.token_gates, self.contended)
+        statement = prepared(conn.dialect, counts_statement(*shape))
         answers = statement.tuples(statement.execute(conn, self.params(c, agent, now, need)))[0]
         return self.read(answers, c, agent, now, gates, take=take, recheck=recheck)
 
@@ -151,6 +154,11 @@ class Limits:
         """Which gates ``counts_statement`` counts (its arguments but ``token_gates``)."""
         slot_gates = tuple(gate for gate, _, _ in self._slot_gates())
         return slot_gates, tuple(self.window_limits), take, bool(self.tokens or self.cost)
+
+    @property
+    def contended(self) -> bool:
+        """Whether the agents' fair shares apply: the account has windows (rpm, tokens)."""
+        return bool(self.rpm or self.token_limits)
 
     @property
     def token_gates(self) -> tuple[str, ...]:
@@ -255,6 +263,8 @@ class Limits:
                         "budget",
                     )
                 )
+        if self.contended and next(answers):
+            gates["share"] = "check"  # other agents wait: ``shares.check`` decides
         return refusals, rooms
 
 
@@ -353,10 +363,11 @@ def counts_statement(
     take: bool,
     budgets: bool,
     token_gates: tuple[str, ...] = (),
+    fair: bool = False,
 ) -> sa.Select[Any]:
     """Every count the gates of one shape need, in one statement: one round trip however
     many gates apply (built once per shape; the values are bind parameters)."""
-    asked = count_columns(slot_gates, windows, take, budgets, _P_NOW, token_gates)
+    asked = count_columns(slot_gates, windows, take, budgets, _P_NOW, token_gates, fair)
     return sa.select(*asked) if asked else sa.select(sa.literal(1))
 
 
@@ -403,13 +414,15 @@ def count_columns(
     budgets: bool,
     now: Any,
     token_gates: tuple[str, ...] = (),
+    fair: bool = False,
 ) -> list[Any]:
     """``counts_statement``'s columns, each named after its gate: the slots in flight
     (``<gate>``); a window's limit-th newest call while it is in the window at ``now``,
     NULL otherwise (``<gate>_nth``: compared as ``gates.window_free_at`` compares, so
     both read it alike); its calls (``<gate>_calls``, when not ``take``-ing); a token
     window's call that must leave it first (``<gate>_free``, ``token_window_blocker``);
-    and the day's ``tokens`` and ``cost``."""
+    the day's ``tokens`` and ``cost``; and whether other agents wait for the account
+    (``others_waiting``, when ``fair``: their shares then decide too)."""
     asked: list[Any] = []
     open_slot = sa.and_(call_slots.c.released_at.is_(None), call_slots.c.lease_until > _P_NOW)
     for gate in slot_gates:
@@ -446,6 +459,8 @@ def count_columns(
     if budgets:
         tokens, cost = usage.today_columns(sa.bindparam("p_day", type_=sa.Float))
         asked += [tokens.label("tokens"), cost.label("cost")]
+    if fair:
+        asked.append(shares.others_waiting(now).label("others_waiting"))
     return asked
 
 
@@ -467,6 +482,7 @@ def admits(
     windows: tuple[str, ...],
     budgets: bool,
     token_gates: tuple[str, ...] = (),
+    fair: bool = False,
 ) -> Any:
     """SQL: every gate admits, read from ``counts`` (``counts_statement`` of that shape, as
     a CTE) exactly as ``Limits.read`` reads it, against the limits ``Limits.params`` binds."""
@@ -480,4 +496,6 @@ def admits(
         cost = sa.cast(sa.bindparam("p_cost_limit", type_=sa.Float), sa.Float)
         holds.append(sa.or_(tokens == 0, counts.c.tokens < tokens))
         holds.append(sa.or_(cost == 0, counts.c.cost < cost))
+    if fair:  # others wait: the shares decide, after this statement (``shares.check``)
+        holds.append(sa.not_(counts.c.others_waiting))
     return sa.and_(*holds) if holds else sa.true()

@@ -108,6 +108,7 @@ def take_if_admitted(
     windows: tuple[str, ...],
     budgets: bool,
     token_gates: tuple[str, ...] = (),
+    fair: bool = False,
 ) -> sa.Select[Any]:
     """PostgreSQL: the gates' counts (``limits.counts_statement``'s columns, taking), the
     admission's time (``now``: ``limits.admitted_now``, which the counts and the slot
@@ -117,12 +118,14 @@ def take_if_admitted(
     holding the gates' locks, taken by an earlier statement: its snapshot then holds
     every slot taken before."""
     moment = sa.select(admitted_now(windows).label("now")).cte("moment")
-    asked = count_columns(slot_gates, windows, True, budgets, moment.c.now, token_gates)
+    asked = count_columns(slot_gates, windows, True, budgets, moment.c.now, token_gates, fair)
     counts = sa.select(*asked, moment.c.now).select_from(moment).cte("counts")
     values = _slot_values(windows)
     values["admitted_at"] = counts.c.now
     typed = [sa.cast(v, call_slots.c[k].type) if k in _TAKEN else v for k, v in values.items()]
-    admitted = sa.select(*typed).where(admits(counts, slot_gates, windows, budgets, token_gates))
+    admitted = sa.select(*typed).where(
+        admits(counts, slot_gates, windows, budgets, token_gates, fair)
+    )
     taken = (
         sa.insert(call_slots)
         .from_select(list(values), admitted)

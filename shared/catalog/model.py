@@ -29,6 +29,7 @@ every key)::
     [agents.codex]
     role = "coder"                   # or: models = [...]
     rate = 50                        # calls per rate_window_sec (1 s)
+    share = 2                        # its part of a contended account's windows (default 1)
 
     [routing]
     default_role = "general"         # for tasks that name a role not configured
@@ -145,6 +146,9 @@ class AgentConfig:
     models: tuple[str, ...] = ()
     rate: int | None = None  # calls per rate_window_sec, across every worker of the agent
     rate_window_sec: float = 1.0
+    # Its part of a provider account's windows when agents contend for them: at least
+    # share / the shares of every agent waiting for the account (work-conserving).
+    share: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from agentbus.catalog.model import (
@@ -189,7 +190,7 @@ def _agent(
     catalog: Catalog, roles: Mapping[str, RoleConfig], name: str, body: Mapping[str, Any]
 ) -> AgentConfig:
     where = f"[agents.{name}]"
-    _only(body, where, {"role", "models", "rate", "rate_window_sec"})
+    _only(body, where, {"role", "models", "rate", "rate_window_sec", "share"})
     if ("role" in body) == ("models" in body):
         raise ConfigError(f"{where}: give either role or models")
     rate = _count(body["rate"], f"{where} rate") if "rate" in body else None
@@ -200,9 +201,14 @@ def _agent(
         or not 0 < window < math.inf
     ):
         raise ConfigError(f"{where}: rate_window_sec must be a positive number")
+    share = body.get("share", 1.0)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1e6:
+        raise ConfigError(
+            f"{where}: share must be a positive number below 1,000,000, got {share!r}"
+        )
+    agent = AgentConfig(name, rate=rate, rate_window_sec=float(window), share=float(share))
     if "role" in body:
-        role = _known(body["role"], roles, f"{where}: unknown role")
-        return AgentConfig(name, role=role, rate=rate, rate_window_sec=float(window))
+        return replace(agent, role=_known(body["role"], roles, f"{where}: unknown role"))
     chain = body.get("models")
     if not isinstance(chain, list) or not chain or not all(isinstance(m, str) for m in chain):
         raise ConfigError(f"{where}: models must be a non-empty list of model ids")
@@ -211,7 +217,7 @@ def _agent(
             raise ConfigError(f"{where}: unknown model {model!r}")
     if len(set(chain)) != len(chain):
         raise ConfigError(f"{where}: a model is listed twice")
-    return AgentConfig(name, models=tuple(chain), rate=rate, rate_window_sec=float(window))
+    return replace(agent, models=tuple(chain))
 
 
 def _provider(name: str, body: Mapping[str, Any]) -> ProviderConfig:

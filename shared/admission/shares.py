@@ -1,0 +1,209 @@
+"""Fair shares of a provider account's windows (rpm, tpm, itpm, otpm) among the agents
+that contend for them.
+
+An agent refused by an account's window waits for it: ``Demand.note`` writes it
+to ``account_demand`` with its share (``[agents.X] share``, default 1) until a
+little after the refusal said it may come back (when its paused task is tried
+again). While other agents wait for the account, an admission through it is
+decided by ``fair`` as well as by the windows: an agent may use its part of
+each window (the window's limit times its share over the shares of itself and
+the agents waiting), the rest being kept for the waiting agents; a call larger
+than its part goes one at a time. So every agent with work gets its part at
+least, and an agent with none (no refusal waiting, or a wait that lapsed
+because it did not come back) leaves its part to the others: a part is kept
+for an agent only while it waits.
+
+Reservations per agent, not a rotation: the windows already say, in the
+database, what each agent has used over the last minute, so the decision needs
+no turn-taking state shared between processes, holds across every process and
+host at once, and is the same for a window whose agents each hold a worker or a
+hundred. No agent waiting (the common case): one ``EXISTS`` in the admission's
+statement, nothing more.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from agentbus.admission.gates import Code, Refusal
+from agentbus.db import dialect_insert
+from agentbus.schema import account_demand, call_slots
+
+if TYPE_CHECKING:
+    from agentbus.admission.limits import Limits
+    from agentbus.admission.routing import Candidate
+    from agentbus.admission.tokens import Tokens
+    from agentbus.config import Configured
+    from agentbus.db import Database
+
+#: The gates whose refusal says an agent waits for its account's windows.
+GATES = frozenset({"rpm", "tpm", "itpm", "otpm", "share"})
+
+_D = account_demand.c
+
+
+def others_waiting(now: Any) -> Any:
+    """SQL: whether another agent waits for the account (``p_provider``, ``p_account``;
+    not ``p_agent``) at ``now``."""
+    return sa.exists().where(
+        _D.provider == sa.bindparam("p_provider", type_=sa.Text),
+        _D.account == sa.bindparam("p_account", type_=sa.Text),
+        _D.agent != sa.bindparam("p_agent", type_=sa.Text),
+        _D.until > now,
+    )
+
+
+def fair(
+    limit: float, need: float, used: Mapping[str, float], shares: Mapping[str, float], agent: str
+) -> bool:
+    """Whether ``agent`` may take ``need`` more of a window of ``limit`` whose agents
+    have ``used`` so much of it, ``shares`` being the shares of ``agent`` and of every
+    agent waiting: within its part (the rest is kept for the waiting agents), or, for
+    a call larger than its part, one at a time while the window has room."""
+    mine = used.get(agent, 0)
+    if mine + need <= limit * shares[agent] / sum(shares.values()):
+        return True
+    return mine == 0 and sum(used.values()) + need <= limit
+
+
+def check(
+    conn: Connection,
+    limits: Limits,
+    c: Candidate,
+    agent: str,
+    share: float,
+    need: Tokens,
+    now: float,
+) -> Refusal | None:
+    """The refusal of the fair share of ``c``'s account for ``agent`` (None: it may go
+    on), when other agents wait for the account. Run under the account's locks."""
+    rows = list(
+        conn.execute(
+            sa.select(_D.agent, _D.share, _D.until).where(
+                _D.provider == c.provider,
+                _D.account == c.account,
+                _D.agent != agent,
+                _D.until > now,
+            )
+        )
+    )
+    if not rows:
+        return None
+    waiting = {row.agent: float(row.share) for row in rows}
+    lapse = min(float(row.until) for row in rows)  # a wait ends unless its agent comes back
+    shares = {**waiting, agent: share}
+    window = limits.token_window  # the rpm window, which the token windows share
+    since = now - window
+    slots = call_slots.c
+    mine = slots.agent == agent
+    used: dict[str, dict[str, float]] = {}
+    for row in conn.execute(
+        sa.select(
+            slots.agent,
+            sa.func.count(slots.account_seq),
+            sa.func.coalesce(sa.func.sum(slots.tokens_in), 0),
+            sa.func.coalesce(sa.func.sum(slots.tokens_out), 0),
+        )
+        .where(slots.provider == c.provider, slots.account == c.account, slots.admitted_at > since)
+        .group_by(slots.agent)
+    ):
+        calls, tokens_in, tokens_out = float(row[1]), float(row[2]), float(row[3])
+        used[row.agent] = {
+            "rpm": calls,
+            "tpm": tokens_in + tokens_out,
+            "itpm": tokens_in,
+            "otpm": tokens_out,
+        }
+    windows = [("rpm", limits.rpm[0], 1)] if limits.rpm else []
+    windows += [(gate, limit, need.of(gate)) for gate, limit in limits.token_limits]
+    for gate, limit, wanted in windows:
+        counts = {name: by_gate[gate] for name, by_gate in used.items()}
+        if fair(limit, wanted, counts, shares, agent):
+            continue
+        part = limit * share / sum(shares.values())
+        cost = {
+            "rpm": sa.case((slots.account_seq.is_not(None), 1), else_=0),
+            "tpm": sa.func.coalesce(slots.tokens_in, 0) + sa.func.coalesce(slots.tokens_out, 0),
+            "itpm": sa.func.coalesce(slots.tokens_in, 0),
+            "otpm": sa.func.coalesce(slots.tokens_out, 0),
+        }[gate]
+        newer = sa.func.sum(cost).over(order_by=(slots.admitted_at.desc(), slots.id.desc()))
+        own = (
+            sa.select(slots.admitted_at.label("at"), newer.label("newer"))
+            .where(slots.provider == c.provider, slots.account == c.account, mine)
+            .where(slots.admitted_at > since)
+            .subquery()
+        )
+        # Its own calls leaving the window bring it back within its part …
+        leaves = conn.execute(
+            sa.select(sa.func.max(own.c.at)).where(own.c.newer > part - wanted)
+        ).scalar()
+        # … or a waiting agent's part lapses, when it has not come back for it.
+        retry = lapse if leaves is None else min(leaves + window, lapse)
+        mine_used = counts.get(agent, 0)
+        detail = (
+            f"share: agent {agent} has {mine_used:g} of its {part:g} of {gate} {limit:,} for "
+            f"{c.provider}/{c.account or '-'} while {len(waiting)} other agent"
+            f"{'s' if len(waiting) != 1 else ''} wait"
+        )
+        return Refusal(Code.RATE_LIMITED, retry, detail, "share")
+    return None
+
+
+class Demand:
+    """The waits this process wrote to ``account_demand``: one write per wait, not one
+    per refusal while a wait it already wrote covers it."""
+
+    def __init__(self) -> None:
+        self._noted: dict[tuple[str, str, str], float] = {}
+
+    def refused(
+        self, db: Database, config: Configured, c: Candidate, agent: str, answer: object
+    ) -> None:
+        """If ``answer`` is a refusal by a window of ``c``'s account, ``agent`` waits for
+        the account until a little after the refusal said: when its paused task is tried
+        again (the sweeper's look, a worker's poll and a recheck later)."""
+        if not isinstance(answer, Refusal) or answer.gate not in GATES:
+            return
+        s, agents = config.settings, config.catalog.agents
+        margin = s.sweep_peek_sec + s.poll_sec + s.admission_recheck_sec
+        share = agents[agent].share if agent in agents else 1.0
+        self.note(db, c, agent, share, answer, margin)
+
+    def note(
+        self, db: Database, c: Candidate, agent: str, share: float, refusal: Refusal, margin: float
+    ) -> None:
+        """``agent`` was refused by a window of ``c``'s account: it waits for the account
+        until ``margin`` seconds after the refusal said."""
+        key = (c.provider, c.account, agent)
+        until = refusal.retry_after + margin
+        if self._noted.get(key, -math.inf) >= until - margin / 2:
+            return
+        row = {"provider": c.provider, "account": c.account, "agent": agent, "share": share}
+
+        def work(conn: Connection) -> None:
+            insert: Any = dialect_insert(conn.dialect.name)(account_demand)
+            later = sa.case(
+                (insert.excluded.until > account_demand.c.until, insert.excluded.until),
+                else_=account_demand.c.until,
+            )
+            conn.execute(
+                insert.on_conflict_do_update(
+                    index_elements=[_D.provider, _D.account, _D.agent],
+                    set_={"share": insert.excluded.share, "until": later},
+                ),
+                {**row, "until": until},
+            )
+
+        db.write(work)
+        self._noted[key] = until
+
+
+def purge(conn: Connection, now: float) -> None:
+    """Forget the waits that are over."""
+    conn.execute(sa.delete(account_demand).where(_D.until < now))
