@@ -158,3 +158,51 @@ def test_shares_weigh_and_a_lone_agent_is_never_held_back(
     assert isinstance(adm.peek(c, agent="big"), Refusal)
     clock.now = start + 200  # every wait over
     assert adm.peek(c, agent="big") == Admissible(room=6)
+
+
+def test_status_metrics_and_busctl_show_the_windows_and_the_shares(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    from prometheus_client.core import Metric
+
+    from agentbus.admin import render, serve, status
+
+    adm = admission(db, clock, tmp_path, "share = 2")
+    for _ in range(6):
+        assert isinstance(ask(adm, "big"), Permit)
+    assert isinstance(ask(adm, "small"), Refusal)  # the small agent now waits
+    doc = status.snapshot(db, adm.settings, clock.now, kpis=False, catalog=adm.catalog)
+    assert doc["windows"] == [
+        {
+            "provider": "sim",
+            "account": "",
+            "window_sec": 60.0,
+            "windows": {"rpm": {"limit": 6, "learnt": False, "used": 6.0}},
+            "agents": [
+                {"agent": "big", "share": 1.0, "waiting": False, "used": {"rpm": 6.0}},
+                {"agent": "small", "share": 2.0, "waiting": True, "used": {"rpm": 0.0}},
+            ],
+        }
+    ]
+    text = render.status(doc, adm.settings)
+    assert "sim/-    rpm     6 / 6" in text
+    assert "sim/-    small *  2      rpm 0" in text
+    families: list[Metric] = list(serve._windows(doc["windows"]))
+    samples = {
+        (m.name, tuple(sorted(s.labels.items()))): s.value for m in families for s in m.samples
+    }
+    assert (
+        samples[("agentbus_window_used", (("account", ""), ("provider", "sim"), ("window", "rpm")))]
+        == 6
+    )
+    assert (
+        samples[
+            ("agentbus_window_limit", (("account", ""), ("provider", "sim"), ("window", "rpm")))
+        ]
+        == 6
+    )
+    assert samples[("agentbus_window_waiting_agents", (("account", ""), ("provider", "sim")))] == 1
+    share = (("account", ""), ("agent", "small"), ("provider", "sim"), ("waiting", "true"))
+    assert samples[("agentbus_agent_share", share)] == 2
+    # Without the config, only what the answers taught: no limit known, nothing shown.
+    assert status.windows(db, adm.settings, None, clock.now) == []

@@ -150,7 +150,7 @@ def status_cmd(c: Context, as_json: bool) -> None:
     """Task counts by status and agent, today's usage, circuits and the client budget."""
     from agentbus.admin import status
 
-    doc = status.snapshot(c.database(), c.settings)
+    doc = status.snapshot(c.database(), c.settings, catalog=c.catalog)
     if as_json:
         click.echo(json.dumps(doc, indent=2, default=str))
         return
@@ -306,7 +306,9 @@ def retry_cmd(c: Context, task_id: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
 def routes_cmd(c: Context, limit: int, task_id: int | None, as_json: bool) -> None:
-    """Routing history: every candidate a worker considered, and what came of it."""
+    """Routing history: every candidate a worker considered, and what came of it; then
+    the provider accounts' windows now (used of the limit, the agents waiting)."""
+    from agentbus.admin import status
     from agentbus.queue import reads
 
     rows = reads.routes(c.database(), limit=limit, task_id=task_id)
@@ -314,6 +316,8 @@ def routes_cmd(c: Context, limit: int, task_id: int | None, as_json: bool) -> No
         click.echo(json.dumps(rows, indent=2, default=str))
         return
     click.echo(render.routes(rows))
+    if task_id is None:
+        click.echo(render.windows(status.windows(c.database(), c.settings, c.catalog)))
 
 
 @busctl.command("refusals")

@@ -31,6 +31,8 @@ def status(doc: dict[str, Any], settings: Settings) -> str:
                 [[u["model"], u["calls"], u["tokens"], f"{u['cost']:.4f}"] for u in used],
             )
         )
+    if doc.get("windows"):
+        out.append(windows(doc["windows"]))
     if doc["circuits"]:
         out.append("\ncircuits:")
         out.append(
@@ -183,3 +185,32 @@ def routes(rows: list[dict[str, Any]]) -> str:
         )
     headers = ["at", "task", "role", "fallback", "provider", "model", "account", "decision"]
     return cli.table([*headers, "outcome", "code", "retry after", "action", "tokens"], table)
+
+
+def windows(accounts: list[dict[str, Any]]) -> str:
+    """The provider accounts' windows: used of the limit, and each agent's share of them
+    (``*``: it waits for the account now)."""
+    if not accounts:
+        return "\nwindows: no provider account has an rpm or token limit"
+    seconds = accounts[0]["window_sec"]
+    rows = []
+    for a in accounts:
+        name = f"{a['provider']}/{a['account'] or '-'}"
+        for gate, w in a["windows"].items():
+            learnt = " (learnt)" if w["learnt"] else ""
+            rows.append([name, gate, f"{w['used']:,.0f} / {w['limit']:,}{learnt}"])
+    agents = [
+        [
+            f"{a['provider']}/{a['account'] or '-'}",
+            f"{g['agent']}{' *' if g['waiting'] else ''}",
+            f"{g['share']:g}",
+            ", ".join(f"{gate} {n:,.0f}" for gate, n in g["used"].items()),
+        ]
+        for a in accounts
+        for g in a["agents"]
+    ]
+    text = f"\nwindows (the last {seconds:g} s):\n" + cli.table(["account", "window", "used"], rows)
+    if agents:
+        text += "\n\nshares (* waits for the account):\n"
+        text += cli.table(["account", "agent", "share", "used"], agents)
+    return text

@@ -149,6 +149,7 @@ class SnapshotCollector(Collector):
         for c in doc["circuits"]:
             circuit.add_metric([c["provider"]], CIRCUIT_STATES.get(c["state"], 0))
         yield circuit
+        yield from _windows(doc["windows"])
         budget = doc["budget"]
         yield GaugeMetricFamily(
             "agentbus_budget_reserved", "Client budget slots reserved.", value=budget["count"]
@@ -220,6 +221,44 @@ def _observed(seen: dict[str, dict[str, dict[str, float]]]) -> Iterator[Metric]:
             given = process_metrics.labels_of(labels)
             counter.add_metric([given.get(n, "") for n in names.split()], row.get("count", 0.0))
         yield counter
+
+
+def _windows(accounts: list[dict[str, Any]]) -> Iterator[Any]:
+    """The provider accounts' rpm and token windows: used, limit, agents waiting, and
+    what each agent used of them with its share."""
+    keys = ["provider", "account", "window"]
+    used = GaugeMetricFamily(
+        "agentbus_window_used", "Calls or tokens in an account's window now.", labels=keys
+    )
+    limit = GaugeMetricFamily(
+        "agentbus_window_limit", "An account's window limit (configured or learnt).", labels=keys
+    )
+    waiting = GaugeMetricFamily(
+        "agentbus_window_waiting_agents",
+        "Agents waiting for an account's windows.",
+        labels=["provider", "account"],
+    )
+    by_agent = GaugeMetricFamily(
+        "agentbus_agent_window_used",
+        "What one agent used of an account's window now.",
+        labels=["agent", *keys],
+    )
+    share = GaugeMetricFamily(
+        "agentbus_agent_share",
+        "An agent's share of the accounts' windows it uses or waits for.",
+        labels=["agent", "provider", "account", "waiting"],
+    )
+    for a in accounts:
+        account = [a["provider"], a["account"]]
+        waiting.add_metric(account, sum(1 for g in a["agents"] if g["waiting"]))
+        for gate, w in a["windows"].items():
+            used.add_metric([*account, gate], w["used"])
+            limit.add_metric([*account, gate], w["limit"])
+        for g in a["agents"]:
+            share.add_metric([g["agent"], *account, str(g["waiting"]).lower()], g["share"])
+            for gate, n in g["used"].items():
+                by_agent.add_metric([g["agent"], *account, gate], n)
+    yield from (used, limit, waiting, by_agent, share)
 
 
 def _labelled(family: Any, values: dict[str, Any]) -> Any:

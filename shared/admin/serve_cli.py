@@ -80,7 +80,7 @@ def serve_cmd(
         click.echo(f"busctl: warning: {ignored}", err=True)
 
     def snapshot(kpis: bool) -> dict[str, Any]:
-        return status.snapshot(db, settings, kpis=kpis)
+        return status.snapshot(db, settings, kpis=kpis, catalog=c.catalog)
 
     def task(task_id: int) -> dict[str, Any] | None:
         from agentbus.errors import TaskNotFound

@@ -9,9 +9,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.admin import kpi, observe
-from agentbus.admission import workspace_events
+from agentbus.admission import accounts, shares, workspace_events
 from agentbus.admission.budget import client_budget
 from agentbus.admission.cooldowns import CooldownStore
+from agentbus.catalog import Catalog
 from agentbus.config import Settings
 from agentbus.db import Database
 from agentbus.queue import events, malformed, reads
@@ -26,11 +27,17 @@ RECENT_REFUSALS = 20  # refused or skipped candidates listed, newest first
 
 
 def snapshot(
-    db: Database, settings: Settings, now: float | None = None, *, kpis: bool = True
+    db: Database,
+    settings: Settings,
+    now: float | None = None,
+    *,
+    kpis: bool = True,
+    catalog: Catalog | None = None,
 ) -> dict[str, Any]:
     """The status document. Its KPIs are the last hour's (``KPI_WINDOW_SEC``: read through
     the time indexes, what a dashboard that polls can afford); ``kpis`` False leaves them
-    out (/metrics keeps its own)."""
+    out (/metrics keeps its own). ``catalog``: the config's, for the limits of the
+    accounts' windows (without it, only those learnt from the answers)."""
     now = db.clock() if now is None else now
     budget = client_budget(db, settings, holder="status")
     counts = reads.counts(db)
@@ -40,11 +47,12 @@ def snapshot(
     totals: dict[str, int] = {}
     for (status, _), n in counts.items():
         totals[status] = totals.get(status, 0) + n
-    doc, seen, bad = db.read(
+    doc, seen, bad, windows = db.read(
         lambda conn: (
             _tables(conn, now),
             observe.observe(conn, now, settings.worker_stale_sec),
             malformed.summary(conn),
+            shares.standing(conn, catalog, accounts.learnt(conn), settings.rpm_window_sec, now),
         )
     )
     cooling = CooldownStore(db, clock=lambda: now, cache_sec=1e-9).details()
@@ -77,11 +85,22 @@ def snapshot(
             }
             for c in reads.circuit_states(db)
         ],
+        # provider accounts' rpm and token windows: used / limit, the agents waiting
+        "windows": windows,
         "usage_today": reads.usage_by_day(db, now),
         "kpis": [k.as_dict() for k in kpi.compute(db, now - KPI_WINDOW_SEC)] if kpis else [],
         "kpis_since": now - KPI_WINDOW_SEC,
         "events": workspace_events.recent(db, limit=20),
     }
+
+
+def windows(
+    db: Database, settings: Settings, catalog: Catalog | None, now: float | None = None
+) -> list[dict[str, Any]]:
+    """The provider accounts' windows as the status document has them (``windows``)."""
+    at = db.clock() if now is None else now
+    window = settings.rpm_window_sec
+    return db.read(lambda conn: shares.standing(conn, catalog, accounts.learnt(conn), window, at))
 
 
 def _tables(conn: Connection, now: float) -> dict[str, Any]:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from agentbus.admission.limits import Limits
     from agentbus.admission.routing import Candidate
     from agentbus.admission.tokens import Tokens
+    from agentbus.catalog import Catalog
     from agentbus.config import Configured
     from agentbus.db import Database
 
@@ -207,3 +208,82 @@ class Demand:
 def purge(conn: Connection, now: float) -> None:
     """Forget the waits that are over."""
     conn.execute(sa.delete(account_demand).where(_D.until < now))
+
+
+def standing(
+    conn: Connection,
+    catalog: Catalog | None,
+    learnt: Mapping[tuple[str, str], Mapping[str, int]],
+    window: float,
+    now: float,
+) -> list[dict[str, Any]]:
+    """Each provider account's windows as they stand (status, /metrics, the dashboard):
+    per window its limit (configured, else ``learnt`` from the answers) and what the
+    calls of the last ``window`` seconds used of it; per agent that used or waits for
+    the account, its share, whether it waits, and what it used."""
+    slots = call_slots.c
+    used: dict[tuple[str, str], dict[str, dict[str, float]]] = {}
+    for row in conn.execute(
+        sa.select(
+            slots.provider,
+            slots.account,
+            slots.agent,
+            sa.func.count(slots.account_seq),
+            sa.func.coalesce(sa.func.sum(slots.tokens_in), 0),
+            sa.func.coalesce(sa.func.sum(slots.tokens_out), 0),
+        )
+        .where(slots.admitted_at > now - window)
+        .group_by(slots.provider, slots.account, slots.agent)
+    ):
+        tokens_in, tokens_out = float(row[4]), float(row[5])
+        used.setdefault((row.provider, row.account), {})[row.agent] = {
+            "rpm": float(row[3]),
+            "tpm": tokens_in + tokens_out,
+            "itpm": tokens_in,
+            "otpm": tokens_out,
+        }
+    waiting: dict[tuple[str, str], dict[str, float]] = {}
+    for row in conn.execute(sa.select(_D.provider, _D.account, _D.agent, _D.share, _D.until)):
+        if row.until > now:
+            waiting.setdefault((row.provider, row.account), {})[row.agent] = float(row.share)
+    limits: dict[tuple[str, str], dict[str, tuple[int, bool]]] = {
+        key: {gate: (size, True) for gate, size in sizes.items()} for key, sizes in learnt.items()
+    }
+    for provider in catalog.providers.values() if catalog else ():
+        for account in provider.accounts:
+            own = {"rpm": account.rpm, **account.token_limits}
+            configured = {gate: (limit, False) for gate, limit in own.items() if limit}
+            key = (provider.name, account.name)
+            limits[key] = {**limits.get(key, {}), **configured}
+    agents = catalog.agents if catalog else {}
+    found = []
+    for key in sorted(k for k, v in limits.items() if v):
+        by_agent = used.get(key, {})
+        waits = waiting.get(key, {})
+        names = sorted({*by_agent, *waits} - {""})  # "": the account's other clients
+        windows = {
+            gate: {
+                "limit": limit,
+                "learnt": learnt_size,
+                "used": sum(u[gate] for u in by_agent.values()),
+            }
+            for gate, (limit, learnt_size) in sorted(limits[key].items())
+        }
+        found.append(
+            {
+                "provider": key[0],
+                "account": key[1],
+                "window_sec": window,
+                "windows": windows,
+                "agents": [
+                    {
+                        "agent": name,
+                        "share": agents[name].share if name in agents else waits.get(name, 1.0),
+                        "waiting": name in waits,
+                        "used": {g: by_agent.get(name, {}).get(g, 0.0) for g in windows},
+                    }
+                    for name in names
+                ],
+            }
+        )
+    return found
