@@ -355,14 +355,16 @@ account_state = sa.Table(
     sa.Column("unusable_since", Epoch, nullable=False),
 )
 
-#: The token windows an account's answers announce (``x-ratelimit-limit-tokens``,
-#: Anthropic's input and output limits): the window's size where the config sets
-#: none, shared by every process. Written through ``accounts.learn``.
+#: The token windows a model's answers through an account announce
+#: (``x-ratelimit-limit-tokens``, Anthropic's input and output limits): the size of
+#: that model's window where the config sets none, shared by every process. Written
+#: through ``accounts.learn``.
 account_limits = sa.Table(
     "account_limits",
     metadata,
     sa.Column("provider", Text, primary_key=True),
     sa.Column("account", Text, primary_key=True),
+    sa.Column("model", Text, primary_key=True),
     sa.Column("gate", Text, primary_key=True),  # tpm, itpm, otpm
     sa.Column("size", BigInteger, nullable=False),  # tokens per window
     sa.Column("remaining", BigInteger),  # what the answer said was left, when it said

@@ -144,8 +144,8 @@ def admissions(
     ]
 
 
-def account(adm: Admission, name: str = "a") -> Candidate:
-    found = adm.resolve(models=("sim/m",), role=None, agent="codex")
+def account(adm: Admission, name: str = "a", model: str = "sim/m") -> Candidate:
+    found = adm.resolve(models=(model,), role=None, agent="codex")
     return next(c for c in found.candidates if c.account == name)
 
 
@@ -154,8 +154,11 @@ def call(chars: int, max_tokens: int) -> Request:
     return Request("x" * chars, {"params": {"max_tokens": max_tokens}})
 
 
-def ask(adm: Admission, request: Request | None, name: str = "a") -> Permit | Refusal:
-    return adm.admit(account(adm, name), agent="codex", task_id=1, lease_sec=60, request=request)
+def ask(
+    adm: Admission, request: Request | None, name: str = "a", model: str = "sim/m"
+) -> Permit | Refusal:
+    c = account(adm, name, model)
+    return adm.admit(c, agent="codex", task_id=1, lease_sec=60, request=request)
 
 
 def reserved(db: Database) -> list[tuple[Any, ...]]:
@@ -266,7 +269,7 @@ def test_a_call_of_unknown_size_is_admitted_while_the_window_has_room(
     assert isinstance(peeked, Refusal) and peeked.retry_after == refusal.retry_after
 
 
-def test_an_account_without_a_configured_window_learns_the_one_its_answers_announce(
+def test_a_model_without_a_configured_window_learns_the_one_its_answers_announce(
     db: Database, clock: FakeClock, tmp_path: Path
 ) -> None:
     one, two = admissions(db, clock, tmp_path, "otpm = 5000")
@@ -274,18 +277,25 @@ def test_an_account_without_a_configured_window_learns_the_one_its_answers_annou
     permit = ask(one, call(400, 100))  # no token window yet but otpm
     assert isinstance(permit, Permit)
     one.finish(permit, said)
+    learnt = account_limits.c
     rows = db.read(
         lambda conn: conn.execute(
-            sa.select(account_limits.c.gate, account_limits.c.size, account_limits.c.account)
+            sa.select(learnt.gate, learnt.size, learnt.account, learnt.model)
         ).all()
     )
-    assert [tuple(r) for r in rows] == [("tpm", 500, "a")]  # the configured otpm wins
-    # Every process takes it up at its next read: the window has 208 of 500 used.
+    assert [tuple(r) for r in rows] == [("tpm", 500, "a", "sim/m")]  # configured otpm wins
+    # Every process takes it up at its next read: the model's window has 208 of 500 used.
     assert isinstance(ask(two, call(400, 100)), Permit)  # 416
     refusal = ask(two, call(400, 100))  # 624 > 500
-    assert isinstance(refusal, Refusal) and refusal.gate == "tpm"
-    assert refusal.detail == "tpm: 500 tokens per 60s for sim/a"
+    assert isinstance(refusal, Refusal) and refusal.gate == "model_tpm"
+    assert refusal.detail == "model_tpm: 500 tokens per 60s for sim/m through sim/a"
     assert isinstance(ask(two, call(400, 100), "b"), Permit)  # account b learnt nothing
+    # The headers are the answering model's: another model has its own window.
+    other = ask(one, call(400, 100), model="sim/n")
+    assert isinstance(other, Permit)
+    one.finish(other, Succeeded("ok", Usage(108, 100), announced=(("tpm", 800, None),)))
+    assert isinstance(ask(two, call(400, 100), model="sim/n"), Permit)  # 416 of 800
+    assert isinstance(ask(two, call(400, 100)), Refusal)  # sim/m: still 500
     # A later announcement replaces it; the same one again writes nothing.
     for size in (500, 5000, 5000):
         permit = ask(one, None, "b")
@@ -316,7 +326,7 @@ def test_what_an_announced_window_has_left_counts_the_account_s_other_clients(
     assert reserved(db) == [(800, 0)]
     clock.advance(5)
     refusal = ask(adm, call(400, 100))  # 800 + 208 > 1000
-    assert isinstance(refusal, Refusal) and refusal.gate == "tpm"
+    assert isinstance(refusal, Refusal) and refusal.gate == "model_tpm"
     assert refusal.retry_after == pytest.approx(start + 60)
     small = ask(adm, Request("x", {"params": {"max_tokens": 150}}))  # 159: fits
     assert isinstance(small, Permit)
@@ -343,3 +353,22 @@ def test_an_inner_permit_holds_the_tokens_it_says_it_uses(
     with pytest.raises(Refused) as refused, permits.permit("sim/m", agent="codex", tokens=1001):
         pass
     assert refused.value.name == "too_large"
+
+
+def test_a_model_s_own_window_counts_its_calls_and_the_account_s_counts_all(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    limits = 'tpm = 1000\n[models."sim/m"]\nprovider = "sim"\ntpm = 500'
+    (adm,) = admissions(db, clock, tmp_path, limits, n=1)
+    assert isinstance(ask(adm, call(400, 100)), Permit)
+    assert isinstance(ask(adm, call(400, 100)), Permit)  # sim/m: 416 of its 500
+    refusal = ask(adm, call(400, 100))
+    assert isinstance(refusal, Refusal) and refusal.gate == "model_tpm"
+    assert refusal.gates is not None and refusal.gates["tpm"] == "ok"
+    assert isinstance(ask(adm, call(400, 100), model="sim/n"), Permit)  # account: 624
+    assert isinstance(ask(adm, call(400, 100), model="sim/n"), Permit)  # 832
+    refusal = ask(adm, call(400, 100), model="sim/n")  # 1,040 of the account's 1,000
+    assert isinstance(refusal, Refusal) and refusal.gate == "tpm"
+    too_large = ask(adm, call(400, 450))  # 558 > the model's 500
+    assert isinstance(too_large, Refusal) and too_large.code is Code.TOO_LARGE
+    assert too_large.detail.startswith("model_tpm: the call needs ~558 tokens")

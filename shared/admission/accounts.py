@@ -23,7 +23,7 @@ from agentbus.schema import account_limits, account_state
 
 if TYPE_CHECKING:
     from agentbus.admission.routing import Candidate
-    from agentbus.catalog import Catalog, ProviderConfig
+    from agentbus.catalog import Catalog
     from agentbus.db import Database
 
 #: (provider, account, key fingerprint) of a refused credential.
@@ -68,23 +68,23 @@ def unusable(conn: Connection) -> set[Unusable]:
     return {(r.provider, r.account, r.fingerprint) for r in rows}
 
 
-#: (provider, account) -> token window -> its size, as the account's answers announced it.
-Learnt = dict[tuple[str, str], dict[str, int]]
+#: (provider, account, model) -> token window -> its size, as the answers announced it
+#: (the providers limit tokens per model: the headers are those of the model answering).
+Learnt = dict[tuple[str, str, str], dict[str, int]]
 
 
-def learn(
-    conn: Connection, provider: str, account: str, sizes: Mapping[str, int], now: float
-) -> None:
-    """Record the token windows an answer of ``provider``/``account`` announced (window ->
-    tokens per window): the size of each window the config does not set."""
+def learn(conn: Connection, c: Candidate, sizes: Mapping[str, int], now: float) -> None:
+    """Record the token windows an answer through ``c`` announced (window -> tokens per
+    window): the size of each window the config does not set, for its model."""
     insert: Any = dialect_insert(conn.dialect.name)(account_limits)
+    keys = account_limits.c
     stmt = insert.on_conflict_do_update(
-        index_elements=[account_limits.c.provider, account_limits.c.account, account_limits.c.gate],
+        index_elements=[keys.provider, keys.account, keys.model, keys.gate],
         set_={"size": insert.excluded.size, "observed_at": insert.excluded.observed_at},
     )
+    where = {"provider": c.provider, "account": c.account, "model": c.model}
     rows = [
-        {"provider": provider, "account": account, "gate": gate, "size": size, "observed_at": now}
-        for gate, size in sizes.items()
+        {**where, "gate": gate, "size": size, "observed_at": now} for gate, size in sizes.items()
     ]
     conn.execute(stmt, rows)
 
@@ -93,8 +93,8 @@ def learnt(conn: Connection) -> Learnt:
     """Every token window the answers announced."""
     c = account_limits.c
     found: Learnt = {}
-    for row in conn.execute(sa.select(c.provider, c.account, c.gate, c.size)):
-        found.setdefault((row.provider, row.account), {})[row.gate] = int(row.size)
+    for row in conn.execute(sa.select(c.provider, c.account, c.model, c.gate, c.size)):
+        found.setdefault((row.provider, row.account, row.model), {})[row.gate] = int(row.size)
     return found
 
 
@@ -105,7 +105,7 @@ class LearntWindows:
     def __init__(self, *, every: float) -> None:
         self.known: Learnt = {}
         self.every = every
-        self._counted_at: dict[tuple[str, str], float] = {}  # when "remaining" was counted
+        self._counted_at: dict[tuple[str, str, str], float] = {}  # "remaining" counted then
 
     def load(self, conn: Connection) -> None:
         fresh = learnt(conn)
@@ -115,21 +115,25 @@ class LearntWindows:
     def heard(
         self,
         db: Database,
-        provider: ProviderConfig,
+        catalog: Catalog,
         c: Candidate,
         announced: Iterable[tuple[str, int, int | None]],
         now: float,
         window: float,
     ) -> None:
         """An answer through candidate ``c`` announced these windows (window, size,
-        remaining) of its account (``window`` seconds long). For each its config does not
-        set: record the size if it changed, and, at most once ``every`` seconds, count
-        what the provider says is used beyond what the window holds, once that is half
-        the window or more (``slots.count_elsewhere``: the account's other clients)."""
-        config = provider.account(c.account)
-        configured = config.token_limits if config is not None else {}
+        remaining) of its model through its account (``window`` seconds long). For each
+        the config does not set (for the account or the model): record the size if it
+        changed, and, at most once ``every`` seconds, count what the provider says is
+        used beyond what the model's window holds, once that is half the window or more
+        (``slots.count_elsewhere``: the account's other clients)."""
+        config = catalog.provider(c.provider).account(c.account)
+        configured = {
+            **(config.token_limits if config is not None else {}),
+            **catalog.model(c.model).token_limits,
+        }
         said = [(gate, size, left) for gate, size, left in announced if gate not in configured]
-        key = (provider.name, c.account)
+        key = (c.provider, c.account, c.model)
         known = self.known.get(key, {})
         sizes = {gate: size for gate, size, _ in said if known.get(gate) != size}
         used = {
@@ -142,7 +146,7 @@ class LearntWindows:
         if not sizes and not used:
             return
         params = {
-            "p_provider": provider.name,
+            "p_provider": c.provider,
             "p_account": c.account,
             "p_model": c.model,
             "p_now": now,
@@ -151,7 +155,7 @@ class LearntWindows:
 
         def work(conn: Connection) -> None:
             if sizes:
-                learn(conn, provider.name, c.account, sizes, now)
+                learn(conn, c, sizes, now)
             for gate, tokens in used.items():
                 prepared(conn.dialect, slots.count_elsewhere(gate)).execute(
                     conn, params | {"p_used": tokens}

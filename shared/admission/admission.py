@@ -380,8 +380,7 @@ class Admission:
         self._release(permit, outcome)
         if isinstance(outcome, Succeeded) and outcome.announced:  # windows to learn
             c, window = permit.candidate, self.settings.rpm_window_sec
-            provider = self.catalog.provider(c.provider)
-            self.learnt.heard(self.db, provider, c, outcome.announced, self.clock(), window)
+            self.learnt.heard(self.db, self.catalog, c, outcome.announced, self.clock(), window)
         match outcome:
             case RateLimited() | TimedOut() | Succeeded() if cools(outcome):
                 c, now = permit.candidate, self.clock()

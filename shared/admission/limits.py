@@ -47,16 +47,21 @@ class Limits:
         settings: Settings,
         c: Candidate,
         agent: str,
-        learnt: Mapping[tuple[str, str], Mapping[str, int]] | None = None,
+        learnt: Mapping[tuple[str, str, str], Mapping[str, int]] | None = None,
     ) -> Limits:
         """The gates of a call to ``c`` for ``agent``; ``learnt``: the token windows the
-        accounts' answers announced, for those the config does not set."""
+        answers announced per account and model, for those the config does not set.
+        An account's own windows count every model's calls (``tpm``, ``itpm``,
+        ``otpm``); a model's (configured or learnt) its calls alone (``model_tpm`` …)."""
         provider = catalog.provider(c.provider)
         account = provider.account(c.account)
         agent_config = catalog.agents.get(agent)
         size = catalog.bulkheads.get(c.bulkhead) if c.bulkhead else None
-        announced = (learnt or {}).get((c.provider, c.account), {})
-        token_limits = {**announced, **(account.token_limits if account else {})}
+        own = account.token_limits if account else {}
+        said = (learnt or {}).get((c.provider, c.account, c.model), {})
+        per_model = {g: n for g, n in said.items() if g not in own}
+        per_model |= catalog.model(c.model).token_limits
+        token_limits = {**own, **{f"model_{g}": n for g, n in per_model.items()}}
         return cls(
             settings.global_concurrency,
             provider.concurrency,
@@ -124,8 +129,7 @@ class Limits:
             if need.of(gate) > limit:
                 detail = (
                     f"{gate}: the call needs ~{need.of(gate):,} tokens, more than the "
-                    f"{limit:,} per {self.token_window:g}s {c.provider}/{c.account or '-'} "
-                    "ever admits"
+                    f"{limit:,} per {self.token_window:g}s {_whose(gate, c)} ever admits"
                 )
                 return Refusal(Code.TOO_LARGE, 0.0, detail, gate)
         return None
@@ -188,6 +192,7 @@ class Limits:
             params[f"p_{gate}_offset"] = limit - 1
         if self.token_limits:
             params["p_tokens_since"] = now - self.token_window
+            params["p_model"] = c.model
         for gate, limit in self.token_limits:
             params[f"p_{gate}_room"] = limit - need.of(gate)
         return params
@@ -247,7 +252,7 @@ class Limits:
             free_at = window_free_at(next(answers), self.token_window, now)
             gates[gate] = "ok" if free_at is None else "refused"
             if free_at is not None:
-                what = f"{c.provider}/{c.account or '-'}"
+                what = _whose(gate, c)
                 detail = f"{gate}: {limit:,} tokens per {self.token_window:g}s for {what}"
                 refusals.append(Refusal(Code.RATE_LIMITED, free_at, detail, gate))
         if self.tokens or self.cost:
@@ -268,6 +273,12 @@ class Limits:
         return refusals, rooms
 
 
+def _whose(gate: str, c: Candidate) -> str:
+    """Whose token window ``gate`` is: the account's, or one model's through it."""
+    account = f"{c.provider}/{c.account or '-'}"
+    return f"{c.model} through {account}" if gate.startswith("model_") else account
+
+
 class KeptLimits:
     """``Limits.of`` for a worker, which asks for the same few at every call: answers
     kept while the catalog, the settings and the learnt windows are the same objects
@@ -285,7 +296,7 @@ class KeptLimits:
         settings: Settings,
         c: Candidate,
         agent: str,
-        learnt: Mapping[tuple[str, str], Mapping[str, int]],
+        learnt: Mapping[tuple[str, str, str], Mapping[str, int]],
     ) -> Limits:
         if (
             self._for[0] is not catalog
@@ -377,6 +388,9 @@ TOKENS_OF = {
     "itpm": call_slots.c.tokens_in,
     "otpm": call_slots.c.tokens_out,
 }
+TOKENS_OF |= {f"model_{gate}": counted for gate, counted in TOKENS_OF.items()}
+#: The calls of one model (``p_model``): what a model's own token window counts.
+OF_MODEL = call_slots.c.model == sa.bindparam("p_model", type_=sa.Text)
 
 
 #: The calls of an account's token windows (``p_provider``, ``p_account``) admitted after
@@ -400,7 +414,7 @@ def token_window_blocker(gate: str) -> Any:
     )
     in_window = (
         sa.select(call_slots.c.admitted_at.label("at"), newer)
-        .where(IN_TOKEN_WINDOW)
+        .where(IN_TOKEN_WINDOW, OF_MODEL if gate.startswith("model_") else sa.true())
         .subquery(f"{gate}_calls")
     )
     room = sa.bindparam(f"p_{gate}_room", type_=sa.BigInteger)

@@ -121,7 +121,11 @@ def check(
             "otpm": tokens_out,
         }
     windows = [("rpm", limits.rpm[0], 1)] if limits.rpm else []
-    windows += [(gate, limit, need.of(gate)) for gate, limit in limits.token_limits]
+    windows += [  # the account's windows (a model's own window is not shared out)
+        (gate, limit, need.of(gate))
+        for gate, limit in limits.token_limits
+        if not gate.startswith("model_")
+    ]
     for gate, limit, wanted in windows:
         counts = {name: by_gate[gate] for name, by_gate in used.items()}
         if fair(limit, wanted, counts, shares, agent):
@@ -213,31 +217,34 @@ def purge(conn: Connection, now: float) -> None:
 def standing(
     conn: Connection,
     catalog: Catalog | None,
-    learnt: Mapping[tuple[str, str], Mapping[str, int]],
+    learnt: Mapping[tuple[str, str, str], Mapping[str, int]],
     window: float,
     now: float,
 ) -> list[dict[str, Any]]:
     """Each provider account's windows as they stand (status, /metrics, the dashboard):
     per window its limit (configured, else ``learnt`` from the answers) and what the
     calls of the last ``window`` seconds used of it; per agent that used or waits for
-    the account, its share, whether it waits, and what it used."""
+    the account, its share, whether it waits, and what it used. A model's own token
+    window is named after the window and the model (``tpm gpt-4o``)."""
     slots = call_slots.c
-    used: dict[tuple[str, str], dict[str, dict[str, float]]] = {}
+    # (provider, account) -> (model, agent) -> window -> used
+    used: dict[tuple[str, str], dict[tuple[str, str], dict[str, float]]] = {}
     for row in conn.execute(
         sa.select(
             slots.provider,
             slots.account,
+            slots.model,
             slots.agent,
             sa.func.count(slots.account_seq),
             sa.func.coalesce(sa.func.sum(slots.tokens_in), 0),
             sa.func.coalesce(sa.func.sum(slots.tokens_out), 0),
         )
         .where(slots.admitted_at > now - window)
-        .group_by(slots.provider, slots.account, slots.agent)
+        .group_by(slots.provider, slots.account, slots.model, slots.agent)
     ):
-        tokens_in, tokens_out = float(row[4]), float(row[5])
-        used.setdefault((row.provider, row.account), {})[row.agent] = {
-            "rpm": float(row[3]),
+        tokens_in, tokens_out = float(row[5]), float(row[6])
+        used.setdefault((row.provider, row.account), {})[(row.model, row.agent)] = {
+            "rpm": float(row[4]),
             "tpm": tokens_in + tokens_out,
             "itpm": tokens_in,
             "otpm": tokens_out,
@@ -246,44 +253,67 @@ def standing(
     for row in conn.execute(sa.select(_D.provider, _D.account, _D.agent, _D.share, _D.until)):
         if row.until > now:
             waiting.setdefault((row.provider, row.account), {})[row.agent] = float(row.share)
-    limits: dict[tuple[str, str], dict[str, tuple[int, bool]]] = {
-        key: {gate: (size, True) for gate, size in sizes.items()} for key, sizes in learnt.items()
-    }
+    # (provider, account) -> (window, model or None) -> (limit, learnt)
+    limits: dict[tuple[str, str], dict[tuple[str, str | None], tuple[int, bool]]] = {}
+    models = list(catalog.models.values()) if catalog else []
     for provider in catalog.providers.values() if catalog else ():
         for account in provider.accounts:
-            own = {"rpm": account.rpm, **account.token_limits}
-            configured = {gate: (limit, False) for gate, limit in own.items() if limit}
-            key = (provider.name, account.name)
-            limits[key] = {**limits.get(key, {}), **configured}
+            mine = limits.setdefault((provider.name, account.name), {})
+            for gate, limit in {"rpm": account.rpm, **account.token_limits}.items():
+                if limit:
+                    mine[(gate, None)] = (limit, False)
+            for model in models:
+                if model.provider == provider.name:
+                    mine |= {(g, model.id): (n, False) for g, n in model.token_limits.items()}
+    for (provider_name, account_name, model_id), sizes in learnt.items():
+        mine = limits.setdefault((provider_name, account_name), {})
+        for gate, size in sizes.items():
+            if (gate, None) not in mine and (gate, model_id) not in mine:
+                mine[(gate, model_id)] = (size, True)
     agents = catalog.agents if catalog else {}
     found = []
     for key in sorted(k for k, v in limits.items() if v):
-        by_agent = used.get(key, {})
+        calls = used.get(key, {})
         waits = waiting.get(key, {})
-        names = sorted({*by_agent, *waits} - {""})  # "": the account's other clients
-        windows = {
-            gate: {
-                "limit": limit,
-                "learnt": learnt_size,
-                "used": sum(u[gate] for u in by_agent.values()),
-            }
-            for gate, (limit, learnt_size) in sorted(limits[key].items())
+        names = sorted({agent for _, agent in calls} | set(waits) - {""})  # "": elsewhere
+        shown = sorted(limits[key].items(), key=lambda item: (item[0][1] or "", item[0][0]))
+        named = {
+            (gate, model): gate if model is None else f"{gate} {model}"
+            for (gate, model), _ in shown
         }
         found.append(
             {
                 "provider": key[0],
                 "account": key[1],
                 "window_sec": window,
-                "windows": windows,
+                "windows": {
+                    named[g]: {"limit": limit, "learnt": was_learnt, "used": _sum(calls, *g)}
+                    for g, (limit, was_learnt) in shown
+                },
                 "agents": [
                     {
                         "agent": name,
                         "share": agents[name].share if name in agents else waits.get(name, 1.0),
                         "waiting": name in waits,
-                        "used": {g: by_agent.get(name, {}).get(g, 0.0) for g in windows},
+                        "used": {named[g]: _sum(calls, *g, name) for g, _ in shown},
                     }
                     for name in names
                 ],
             }
         )
     return found
+
+
+def _sum(
+    calls: Mapping[tuple[str, str], Mapping[str, float]],
+    gate: str,
+    model: str | None,
+    agent: str | None = None,
+) -> float:
+    """What the calls (by model and agent) used of window ``gate``: the account's (no
+    ``model``) or one model's, all agents' or one's."""
+    return sum(
+        n[gate]
+        for (m, a), n in calls.items()
+        if (model is None or m == model) and (agent is None or a == agent)
+    )

@@ -19,6 +19,7 @@ from sqlalchemy.engine import Connection
 from agentbus.admission.circuit import COUNT_SUCCESS, END_RUN
 from agentbus.admission.limits import (
     IN_TOKEN_WINDOW,
+    OF_MODEL,
     TOKENS_OF,
     WINDOW_SEQ,
     Limits,
@@ -189,14 +190,15 @@ class Ask:
 
 @functools.cache
 def count_elsewhere(gate: str) -> sa.Insert:
-    """The tokens an answer says the account's window ``gate`` holds (``p_used``: its
-    limit less what remains) beyond those it counts: a call of the account's other
-    clients, released as it is taken, which the window then counts until it leaves.
+    """The tokens an answer says the window ``gate`` of its model holds (``p_used``: its
+    limit less what remains) beyond the model's calls the account's windows count: a
+    call of the account's other clients, released as it is taken, which the windows
+    then count until it leaves.
     Parameters: ``p_provider``, ``p_account``, ``p_model``, ``p_now``,
     ``p_tokens_since``, ``p_used``."""
     counted = (
         sa.select(sa.func.coalesce(sa.func.sum(TOKENS_OF[gate]), 0))
-        .where(IN_TOKEN_WINDOW)
+        .where(IN_TOKEN_WINDOW, OF_MODEL)
         .scalar_subquery()
     )
     beyond = sa.bindparam("p_used", type_=sa.BigInteger) - counted

@@ -51,7 +51,8 @@ class Tokens:
     output: int
 
     def of(self, gate: str) -> int:
-        """What window ``gate`` counts of them."""
+        """What window ``gate`` counts of them (an account's or a model's: ``model_tpm``)."""
+        gate = gate.removeprefix("model_")
         if gate == "itpm":
             return self.input
         if gate == "otpm":

@@ -17,6 +17,7 @@ every key)::
     [models."gpt-4o"]
     provider = "openai-main"
     bulkhead = "heavy"
+    tpm = 30000000                   # its own window per account (OpenAI limits per model)
     params = { temperature = 0.2 }   # sent with every call; a task's params win
 
     [bulkheads]
@@ -122,6 +123,8 @@ class ModelConfig:
     output_cost_per_1k: float = 0.0
     # Defaults a task's params override (not part of the hash: a dict).
     params: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    # Its own token windows through each account of its provider (tpm, itpm, otpm).
+    token_limits: Mapping[str, int] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)

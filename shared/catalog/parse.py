@@ -33,6 +33,8 @@ from agentbus.providers.outcomes import FAILURE_NAMES as OUTCOME_NAMES
 SECTIONS = ("providers", "models", "roles", "agents", "bulkheads", "routing", "mcp")
 #: The limits of one account's windows: calls, then tokens (all, input, output) per window.
 WINDOW_LIMITS = ("rpm", "tpm", "itpm", "otpm")
+#: A model's own token windows, per account of its provider (OpenAI limits per model).
+TOKEN_LIMITS = ("tpm", "itpm", "otpm")
 _LIMITS = {"accounts", "concurrency", "circuit", "timeout_sec", *WINDOW_LIMITS}
 _KEYS = {
     "openai": _LIMITS | {"kind", "base_url", "api_key_env"},
@@ -58,7 +60,15 @@ def parse_catalog(doc: Mapping[str, Any]) -> Catalog:
         _only(
             body,
             where,
-            {"provider", "name", "bulkhead", "input_cost_per_1k", "output_cost_per_1k", "params"},
+            {
+                "provider",
+                "name",
+                "bulkhead",
+                "input_cost_per_1k",
+                "output_cost_per_1k",
+                "params",
+                *TOKEN_LIMITS,
+            },
         )
         provider = _known(body.get("provider"), providers, f"{where}: unknown provider")
         bulkhead = body.get("bulkhead")
@@ -72,6 +82,7 @@ def parse_catalog(doc: Mapping[str, Any]) -> Catalog:
             _price(body, "input_cost_per_1k", where),
             _price(body, "output_cost_per_1k", where),
             _params(body, where),
+            {key: _count(body[key], f"{where} {key}") for key in TOKEN_LIMITS if key in body},
         )
     catalog = Catalog(providers, models, bulkheads=bulkheads)
     roles = {name: _role(catalog, name, body) for name, body in _section(doc, "roles")}
