@@ -22,7 +22,7 @@ from agentbus.config import load_config
 from agentbus.db import Database
 from agentbus.errors import ConfigError, Refused
 from agentbus.providers.outcomes import Failed, Succeeded, Usage
-from agentbus.schema import account_limits, call_slots
+from agentbus.schema import account_demand, account_limits, call_slots
 from tests.support import FakeClock
 
 # -- the estimate -------------------------------------------------------------
@@ -251,6 +251,10 @@ def test_a_call_larger_than_the_window_is_refused_for_good(
         "tpm: the call needs ~2,108 tokens, more than the 1,000 per 60s sim/a ever admits"
     )
     assert reserved(db) == []
+    waits = db.read(
+        lambda conn: conn.execute(sa.select(sa.func.count()).select_from(account_demand)).scalar()
+    )
+    assert waits == 0  # nothing to wait for
 
 
 def test_a_call_of_unknown_size_is_admitted_while_the_window_has_room(

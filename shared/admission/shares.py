@@ -175,6 +175,8 @@ class Demand:
         again (the sweeper's look, a worker's poll and a recheck later)."""
         if not isinstance(answer, Refusal) or answer.gate not in GATES:
             return
+        if answer.code is Code.TOO_LARGE:  # never admitted: nothing to wait for
+            return
         s, agents = config.settings, config.catalog.agents
         margin = s.sweep_peek_sec + s.poll_sec + s.admission_recheck_sec
         share = agents[agent].share if agent in agents else 1.0
