@@ -130,7 +130,7 @@ class LearntWindows:
         config = catalog.provider(c.provider).account(c.account)
         configured = {
             **(config.token_limits if config is not None else {}),
-            **catalog.model(c.model).token_limits,
+            **catalog.model_token_limits(c.model),
         }
         said = [(gate, size, left) for gate, size, left in announced if gate not in configured]
         key = (c.provider, c.account, c.model)

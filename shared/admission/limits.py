@@ -60,7 +60,7 @@ class Limits:
         own = account.token_limits if account else {}
         said = (learnt or {}).get((c.provider, c.account, c.model), {})
         per_model = {g: n for g, n in said.items() if g not in own}
-        per_model |= catalog.model(c.model).token_limits
+        per_model |= catalog.model_token_limits(c.model)
         token_limits = {**own, **{f"model_{g}": n for g, n in per_model.items()}}
         return cls(
             settings.global_concurrency,

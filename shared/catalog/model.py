@@ -212,6 +212,12 @@ class Catalog:
             return _simulated_model(model_id)
         raise ConfigError(f"unknown model {model_id!r} (not sim/… and not in [models])")
 
+    def model_token_limits(self, model_id: str) -> Mapping[str, int]:
+        """A model's own token windows (none for a model not in [models]: a ``sim/`` one,
+        an MCP tool's)."""
+        found = self.models.get(model_id)
+        return found.token_limits if found is not None else {}
+
     def provider(self, name: str) -> ProviderConfig:
         if name == SIM_PROVIDER and name not in self.providers:
             return IMPLICIT_SIM
