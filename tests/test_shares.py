@@ -120,7 +120,7 @@ def test_an_agent_that_waits_gets_its_share_of_the_window_back_first(
     # small one's wait lapses first.
     assert kept.retry_after == pytest.approx(start + 3 + 60)
     assert kept.detail == (
-        "share: agent big has 5 of its 3 of rpm 6 for sim/- while 1 other agent wait"
+        "share: agent big has 5 of its 3 of rpm 6 for sim/- while 1 other agent waits"
     )
     assert (
         adm.peek(adm.resolve(models=None, role=None, agent="big").candidates[0], agent="big")

@@ -154,7 +154,7 @@ def check(
         detail = (
             f"share: agent {agent} has {mine_used:g} of its {part:g} of {gate} {limit:,} for "
             f"{c.provider}/{c.account or '-'} while {len(waiting)} other agent"
-            f"{'s' if len(waiting) != 1 else ''} wait"
+            f"{'s wait' if len(waiting) != 1 else ' waits'}"
         )
         return Refusal(Code.RATE_LIMITED, retry, detail, "share")
     return None
