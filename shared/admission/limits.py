@@ -35,7 +35,8 @@ class Limits:
     agent_rate: tuple[int, float] | None
     tokens: int
     cost: float
-    # The account's token windows (tpm, itpm, otpm: tokens per window), and their length.
+    # The token windows (the account's tpm, itpm, otpm; the model's own model_tpm …:
+    # tokens per window), and their length (the rpm window's).
     token_limits: tuple[tuple[str, int], ...] = ()
     token_window: float = 60.0
     share: float = 1.0  # the agent's part of its account's windows when others wait
@@ -161,8 +162,9 @@ class Limits:
 
     @property
     def contended(self) -> bool:
-        """Whether the agents' fair shares apply: the account has windows (rpm, tokens)."""
-        return bool(self.rpm or self.token_limits)
+        """Whether the agents' fair shares apply: the account has windows (rpm, tokens; a
+        model's own are not shared out)."""
+        return bool(self.rpm or any(not g.startswith("model_") for g, _ in self.token_limits))
 
     @property
     def token_gates(self) -> tuple[str, ...]:
