@@ -376,3 +376,10 @@ def test_a_model_s_own_window_counts_its_calls_and_the_account_s_counts_all(
     too_large = ask(adm, call(400, 450))  # 558 > the model's 500
     assert isinstance(too_large, Refusal) and too_large.code is Code.TOO_LARGE
     assert too_large.detail.startswith("model_tpm: the call needs ~558 tokens")
+
+
+def test_params_that_are_not_whole_numbers_count_as_not_given() -> None:
+    """A row written by hand can carry anything: the estimate never raises on it."""
+    odd = {"max_tokens": "lots", "n": 2.5}
+    assert tokens.estimate("hi", {}, odd, 777).output == 777
+    assert tokens.estimate("hi", {}, {"max_tokens": True, "n": 0}, 5).output == 5

@@ -122,9 +122,15 @@ def _text(content: Any) -> str:
 
 
 def _output(params: Mapping[str, Any], default: int) -> int:
-    most = params.get("max_tokens", params.get("max_completion_tokens", default))
-    choices = params.get("n", 1)
-    return _capped(int(most) * int(choices))
+    """``max_tokens`` (or ``max_completion_tokens``) times ``n``; a value that is not a
+    whole number of at least 1 (a row written by hand) counts as not given."""
+    most = _whole(params.get("max_tokens", params.get("max_completion_tokens"))) or default
+    return _capped(most * (_whole(params.get("n")) or 1))
+
+
+def _whole(value: Any) -> int | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return value if ok else None
 
 
 def _capped(tokens: int) -> int:
