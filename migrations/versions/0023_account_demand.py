@@ -1,7 +1,7 @@
 """Fair shares of a provider account: ``account_demand`` says which agents wait for an
 account's windows (refused by them, until a little after the refusal said), with the
-share each has of them. While other agents wait, an agent gets its share of the
-windows at least, and more only from what the waiting ones leave unused.
+share each has of them. While other agents wait, an agent may use its share of the
+windows, and the rest is kept for them.
 
 Revision ID: 0023
 Revises: 0022
