@@ -17,7 +17,7 @@ from sqlalchemy.engine import Connection
 from agentbus.admission import shares, usage
 from agentbus.admission.gates import Code, Refusal, day_of, next_day, window_free_at
 from agentbus.admission.routing import Candidate
-from agentbus.admission.tokens import UNKNOWN, Tokens
+from agentbus.admission.tokens import UNKNOWN, Tokens, token_window_blocker
 from agentbus.catalog import Catalog
 from agentbus.config import Settings
 from agentbus.db.compiled import prepared
@@ -382,45 +382,6 @@ def counts_statement(
     many gates apply (built once per shape; the values are bind parameters)."""
     asked = count_columns(slot_gates, windows, take, budgets, _P_NOW, token_gates, fair)
     return sa.select(*asked) if asked else sa.select(sa.literal(1))
-
-
-#: What each token window counts of a call.
-TOKENS_OF = {
-    "tpm": call_slots.c.tokens_in + call_slots.c.tokens_out,
-    "itpm": call_slots.c.tokens_in,
-    "otpm": call_slots.c.tokens_out,
-}
-TOKENS_OF |= {f"model_{gate}": counted for gate, counted in TOKENS_OF.items()}
-#: The calls of one model (``p_model``): what a model's own token window counts.
-OF_MODEL = call_slots.c.model == sa.bindparam("p_model", type_=sa.Text)
-
-
-#: The calls of an account's token windows (``p_provider``, ``p_account``) admitted after
-#: ``p_tokens_since``.
-IN_TOKEN_WINDOW = sa.and_(
-    _WINDOWS["rpm"],
-    call_slots.c.tokens_in.is_not(None),
-    call_slots.c.admitted_at > sa.bindparam("p_tokens_since", type_=sa.Float),
-)
-
-
-def token_window_blocker(gate: str) -> Any:
-    """SQL: when the newest call of the account's token window ``gate`` was admitted that
-    must leave the window before a call fits (NULL: it fits now). Each call in the
-    window is summed with the calls after it (newest first); the newest whose sum is
-    above ``p_<gate>_room`` is the one: once it has left, what stays fits."""
-    newer = (
-        sa.func.sum(TOKENS_OF[gate])
-        .over(order_by=(call_slots.c.admitted_at.desc(), call_slots.c.id.desc()))
-        .label("newer")
-    )
-    in_window = (
-        sa.select(call_slots.c.admitted_at.label("at"), newer)
-        .where(IN_TOKEN_WINDOW, OF_MODEL if gate.startswith("model_") else sa.true())
-        .subquery(f"{gate}_calls")
-    )
-    room = sa.bindparam(f"p_{gate}_room", type_=sa.BigInteger)
-    return sa.select(sa.func.max(in_window.c.at)).where(in_window.c.newer > room)
 
 
 def count_columns(

@@ -31,6 +31,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.admission.gates import Code, Refusal
+from agentbus.admission.tokens import TOKENS_OF
 from agentbus.db import dialect_insert
 from agentbus.schema import account_demand, call_slots
 
@@ -113,13 +114,7 @@ def check(
         .where(slots.provider == c.provider, slots.account == c.account, slots.admitted_at > since)
         .group_by(slots.agent)
     ):
-        calls, tokens_in, tokens_out = float(row[1]), float(row[2]), float(row[3])
-        used[row.agent] = {
-            "rpm": calls,
-            "tpm": tokens_in + tokens_out,
-            "itpm": tokens_in,
-            "otpm": tokens_out,
-        }
+        used[row.agent] = _by_gate(row[1], row[2], row[3])
     windows = [("rpm", limits.rpm[0], 1)] if limits.rpm else []
     windows += [  # the account's windows (a model's own window is not shared out)
         (gate, limit, need.of(gate))
@@ -131,12 +126,9 @@ def check(
         if fair(limit, wanted, counts, shares, agent):
             continue
         part = limit * share / sum(shares.values())
-        cost = {
-            "rpm": sa.case((slots.account_seq.is_not(None), 1), else_=0),
-            "tpm": sa.func.coalesce(slots.tokens_in, 0) + sa.func.coalesce(slots.tokens_out, 0),
-            "itpm": sa.func.coalesce(slots.tokens_in, 0),
-            "otpm": sa.func.coalesce(slots.tokens_out, 0),
-        }[gate]
+        # A call counts once in rpm when numbered there; its tokens (NULL where no token
+        # window held it, which a sum passes over) in the others.
+        cost = sa.case((slots.account_seq.is_not(None), 1)) if gate == "rpm" else TOKENS_OF[gate]
         newer = sa.func.sum(cost).over(order_by=(slots.admitted_at.desc(), slots.id.desc()))
         own = (
             sa.select(slots.admitted_at.label("at"), newer.label("newer"))
@@ -244,13 +236,8 @@ def standing(
         .where(slots.admitted_at > now - window)
         .group_by(slots.provider, slots.account, slots.model, slots.agent)
     ):
-        tokens_in, tokens_out = float(row[5]), float(row[6])
-        used.setdefault((row.provider, row.account), {})[(row.model, row.agent)] = {
-            "rpm": float(row[4]),
-            "tpm": tokens_in + tokens_out,
-            "itpm": tokens_in,
-            "otpm": tokens_out,
-        }
+        key = (row.provider, row.account)
+        used.setdefault(key, {})[(row.model, row.agent)] = _by_gate(row[4], row[5], row[6])
     waiting: dict[tuple[str, str], dict[str, float]] = {}
     for row in conn.execute(sa.select(_D.provider, _D.account, _D.agent, _D.share, _D.until)):
         if row.until > now:
@@ -304,6 +291,12 @@ def standing(
             }
         )
     return found
+
+
+def _by_gate(calls: Any, tokens_in: Any, tokens_out: Any) -> dict[str, float]:
+    """What calls of an account used of each of its windows, from their counts."""
+    tin, tout = float(tokens_in), float(tokens_out)
+    return {"rpm": float(calls), "tpm": tin + tout, "itpm": tin, "otpm": tout}
 
 
 def _sum(

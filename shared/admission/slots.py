@@ -18,9 +18,6 @@ from sqlalchemy.engine import Connection
 
 from agentbus.admission.circuit import COUNT_SUCCESS, END_RUN
 from agentbus.admission.limits import (
-    IN_TOKEN_WINDOW,
-    OF_MODEL,
-    TOKENS_OF,
     WINDOW_SEQ,
     Limits,
     admits,
@@ -29,7 +26,7 @@ from agentbus.admission.limits import (
     next_in_window,
 )
 from agentbus.admission.routing import Candidate
-from agentbus.admission.tokens import Tokens
+from agentbus.admission.tokens import IN_TOKEN_WINDOW, OF_MODEL, TOKENS_OF, Tokens
 from agentbus.db.compiled import Prepared, prepared
 from agentbus.providers.outcomes import Outcome, Succeeded
 from agentbus.schema import call_slots, circuit_calls

@@ -17,6 +17,11 @@ loaded: the estimate is what admission can afford on every call (~3 ms for
 what the call may answer at most: ``max_tokens`` (or ``max_completion_tokens``)
 times ``n``, from the task's params over the model's, else the provider's
 default.
+
+The windows' SQL is here too: what each counts of a call (``TOKENS_OF``; a model's
+own window, ``model_tpm`` …, its calls alone) and the call that must leave one
+before another fits (``token_window_blocker``), which ``limits`` and ``slots``
+build on.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import sqlalchemy as sa
+
 from agentbus.providers import chat
+from agentbus.schema import call_slots
 
 if TYPE_CHECKING:
     from agentbus.admission.routing import Candidate
@@ -135,3 +143,45 @@ def _whole(value: Any) -> int | None:
 
 def _capped(tokens: int) -> int:
     return min(tokens, chat.MAX_COUNT)
+
+
+# -- the windows in SQL: what counts a call, and the call that must leave first --
+
+#: What each token window counts of a call.
+TOKENS_OF = {
+    "tpm": call_slots.c.tokens_in + call_slots.c.tokens_out,
+    "itpm": call_slots.c.tokens_in,
+    "otpm": call_slots.c.tokens_out,
+}
+TOKENS_OF |= {f"model_{gate}": counted for gate, counted in TOKENS_OF.items()}
+#: The calls of one model (``p_model``): what a model's own token window counts.
+OF_MODEL = call_slots.c.model == sa.bindparam("p_model", type_=sa.Text)
+
+
+#: The calls of an account's token windows (``p_provider``, ``p_account``) admitted after
+#: ``p_tokens_since``.
+IN_TOKEN_WINDOW = sa.and_(
+    call_slots.c.provider == sa.bindparam("p_provider", type_=sa.Text),
+    call_slots.c.account == sa.bindparam("p_account", type_=sa.Text),
+    call_slots.c.tokens_in.is_not(None),
+    call_slots.c.admitted_at > sa.bindparam("p_tokens_since", type_=sa.Float),
+)
+
+
+def token_window_blocker(gate: str) -> Any:
+    """SQL: when the newest call of the account's token window ``gate`` was admitted that
+    must leave the window before a call fits (NULL: it fits now). Each call in the
+    window is summed with the calls after it (newest first); the newest whose sum is
+    above ``p_<gate>_room`` is the one: once it has left, what stays fits."""
+    newer = (
+        sa.func.sum(TOKENS_OF[gate])
+        .over(order_by=(call_slots.c.admitted_at.desc(), call_slots.c.id.desc()))
+        .label("newer")
+    )
+    in_window = (
+        sa.select(call_slots.c.admitted_at.label("at"), newer)
+        .where(IN_TOKEN_WINDOW, OF_MODEL if gate.startswith("model_") else sa.true())
+        .subquery(f"{gate}_calls")
+    )
+    room = sa.bindparam(f"p_{gate}_room", type_=sa.BigInteger)
+    return sa.select(sa.func.max(in_window.c.at)).where(in_window.c.newer > room)
