@@ -410,6 +410,11 @@ def test_the_token_windows_an_answer_announces(mock_llm: MockLLM) -> None:
     answered = anthropic_at(mock_llm.url).call(call())
     assert isinstance(answered, Succeeded) and answered.announced == (("itpm", 40000, 39000),)
     assert answered.limit_reset_sec is None
+    # A refusal announces them too: often the first a fleet hears of the limit.
+    said = {"x-ratelimit-limit-tokens": "30000", "x-ratelimit-remaining-tokens": "0"}
+    mock_llm.queue(Answer(429, None, {**said, "retry-after": "3"}))
+    refused = anthropic_at(mock_llm.url).call(call())
+    assert isinstance(refused, RateLimited) and refused.announced == (("tpm", 30000, 0),)
 
 
 # -- the command provider's request file ----------------------------------------------

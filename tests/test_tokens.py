@@ -21,7 +21,7 @@ from agentbus.catalog import parse_catalog
 from agentbus.config import load_config
 from agentbus.db import Database
 from agentbus.errors import ConfigError, Refused
-from agentbus.providers.outcomes import Failed, Succeeded, Usage
+from agentbus.providers.outcomes import Failed, RateLimited, Succeeded, Usage
 from agentbus.schema import account_demand, account_limits, call_slots
 from tests.support import FakeClock
 
@@ -341,6 +341,27 @@ def test_what_an_announced_window_has_left_counts_the_account_s_other_clients(
     assert isinstance(unknown, Permit)
     adm.finish(unknown, Succeeded("ok", Usage(0, 0), announced=(("tpm", 1000, 600),)))
     assert reserved(db) == [(800, 0), (9, 150), (0, 0)]
+
+
+def test_a_429_teaches_the_window_it_announces_and_that_it_is_spent(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    """The first a fleet hears of a token limit is often its refusal: the 429's headers
+    set the window's size, and its "nothing remains" fills the window until it drains."""
+    one, two = admissions(db, clock, tmp_path, "")
+    permit = ask(one, call(400, 100))
+    assert isinstance(permit, Permit)
+    refused = RateLimited("HTTP 429", retry_after_sec=7.0, announced=(("tpm", 1000, 0),))
+    one.finish(permit, refused)
+    learnt = sa.select(account_limits.c.account, account_limits.c.gate, account_limits.c.size)
+    rows = db.read(lambda conn: conn.execute(learnt).all())
+    assert [tuple(r) for r in rows] == [("a", "tpm", 1000)]
+    assert reserved(db) == [(1000, 0)]  # the provider's count: the whole window, elsewhere
+    # The model cools (the 429), and every process's window for it is full besides.
+    refusal = ask(two, call(40, 10))
+    assert isinstance(refusal, Refusal) and refusal.gate == "cooldown"
+    assert refusal.gates["model_tpm"] == "refused"
+    assert isinstance(ask(two, call(40, 10), "b"), Permit)  # account b heard nothing
 
 
 def test_an_inner_permit_holds_the_tokens_it_says_it_uses(

@@ -378,7 +378,7 @@ class Admission:
         if permit.budget_slot is not None and self.budget is not None:
             self.budget.release(permit.budget_slot)
         self._release(permit, outcome)
-        if isinstance(outcome, Succeeded) and outcome.announced:  # windows to learn
+        if isinstance(outcome, Succeeded | RateLimited) and outcome.announced:  # to learn
             c, window = permit.candidate, self.settings.rpm_window_sec
             self.learnt.heard(self.db, self.catalog, c, outcome.announced, self.clock(), window)
         match outcome:

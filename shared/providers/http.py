@@ -110,10 +110,15 @@ def learnt_from(answered: Succeeded, headers: Mapping[str, str]) -> Succeeded:
     """A success with what its rate-limit ``headers`` said: how long nothing is left (if
     so), and the token windows they announce."""
     reset = exhausted_for(headers)
-    windows = tuple((gate, *said) for gate, said in announced(headers).items())
+    windows = windows_of(headers)
     if not reset and not windows:
         return answered
     return dataclasses.replace(answered, limit_reset_sec=reset, announced=windows)
+
+
+def windows_of(headers: Mapping[str, str]) -> tuple[tuple[str, int, int | None], ...]:
+    """The token windows ``headers`` announce, as an outcome carries them."""
+    return tuple((gate, *said) for gate, said in announced(headers).items())
 
 
 def status_outcome(status: int, headers: Mapping[str, str], detail: str) -> Outcome:
@@ -124,6 +129,7 @@ def status_outcome(status: int, headers: Mapping[str, str], detail: str) -> Outc
             detail,
             retry_after_sec=wait if wait is not None else exhausted_for(headers),
             overloaded=status != 429,
+            announced=windows_of(headers),
         )
     if status == 408:
         return TimedOut(detail)

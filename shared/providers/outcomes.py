@@ -54,6 +54,9 @@ class RateLimited:
     detail: str
     retry_after_sec: float | None = None  # the provider's Retry-After, when it gave one
     overloaded: bool = False
+    # The token windows the refusal's headers announce, as ``Succeeded.announced``: a
+    # 429 teaches the window's size (and that it is spent) as well as an answer does.
+    announced: tuple[tuple[str, int, int | None], ...] = ()
 
 
 @dataclass(frozen=True)

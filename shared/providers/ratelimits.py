@@ -8,7 +8,7 @@ rate-limit headers vendors send with every answer — OpenAI's
 ``-requests-reset`` (and ``-tokens``, ``-input-tokens``, ``-output-tokens``) —
 and says for how long nothing is left. Resets come as durations (``6m0s``,
 ``1.5s``, ``20ms``, plain seconds) or RFC 3339 times. ``announced`` reads the
-token limits an answer announces (``x-ratelimit-limit-tokens``, Anthropic's
+token limits an answer (or a 429) announces (``x-ratelimit-limit-tokens``, Anthropic's
 ``-input-tokens-limit`` and ``-output-tokens-limit``) and what remains of them:
 the token windows of an account with none configured. A malformed value is
 ignored with a debug line: a header must never fail a call.
