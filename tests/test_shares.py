@@ -206,3 +206,68 @@ def test_status_metrics_and_busctl_show_the_windows_and_the_shares(
     assert samples[("agentbus_agent_share", share)] == 2
     # Without the config, only what the answers taught: no limit known, nothing shown.
     assert status.windows(db, adm.settings, None, clock.now) == []
+
+
+def test_the_provider_s_slots_are_shared_out_while_an_agent_waits_for_one(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    path = tmp_path / "agentbus.toml"
+    path.write_text(CONFIG.format(extra="").replace("rpm = 6", "concurrency = 4"))
+    adm = Admission(
+        db,
+        load_config(path, environ={}),
+        worker="w1",
+        cooldowns=CooldownStore(db, clock=clock, cache_sec=1e-9),
+        environ={},
+        clock=clock,
+        cache_sec=1e-9,
+    )
+    (c,) = adm.resolve(models=None, role=None, agent="big").candidates
+
+    def take(agent: str) -> Permit | Refusal:
+        return adm.admit(c, agent=agent, task_id=1, lease_sec=600)
+
+    big = [take("big") for _ in range(4)]  # nobody else waits: big may hold every slot
+    assert all(isinstance(p, Permit) for p in big)
+    refused = take("small")
+    assert isinstance(refused, Refusal) and refused.gate == "provider_concurrency"
+    # It waits for the provider's slots until its task is tried again (recheck 2 s)
+    # plus the sweeper's look, a worker's poll and a recheck (5 s).
+    assert waits(db) == [("small", 1.0, pytest.approx(clock.now + 2 + 5))]
+    for permit in big[:2]:
+        permit.__exit__(None, None, None)
+    kept = take("big")  # 2 of its part of 2 held: the freed slots are kept for small
+    assert isinstance(kept, Refusal) and kept.gate == "share"
+    assert kept.code is Code.CONCURRENCY_FULL  # a slot refusal: waited for, then paused
+    assert kept.retry_after == pytest.approx(clock.now + 2)
+    assert kept.detail == (
+        "share: agent big has 2 of its 2 of the 4 calls in flight for sim while 1 other agent waits"
+    )
+    small = [take("small"), take("small")]
+    assert all(isinstance(p, Permit) for p in small)
+    full = take("small")
+    assert isinstance(full, Refusal) and full.gate == "provider_concurrency"
+    small[0].__exit__(None, None, None)
+    assert isinstance(take("big"), Refusal)  # still at its part
+    assert isinstance(take("small"), Permit)  # within its part
+    from agentbus.admin import render, status
+
+    doc = status.snapshot(db, adm.settings, clock.now, kpis=False, catalog=adm.catalog)
+    assert doc["windows"] == [
+        {
+            "provider": "sim",
+            "account": "*",
+            "window_sec": 60.0,
+            "windows": {"concurrency": {"limit": 4, "learnt": False, "used": 4.0}},
+            "agents": [
+                # refused its share, big waits too: each keeps its part of the slots
+                {"agent": "big", "share": 1.0, "waiting": True, "used": {"concurrency": 2.0}},
+                {"agent": "small", "share": 1.0, "waiting": True, "used": {"concurrency": 2.0}},
+            ],
+        }
+    ]
+    assert "sim/*    concurrency  4 / 4" in render.status(doc, adm.settings)
+    # Once its wait lapses (it did not come back), the slots are big's again.
+    big[2].__exit__(None, None, None)
+    clock.advance(10)
+    assert isinstance(take("big"), Permit)

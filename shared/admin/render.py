@@ -189,9 +189,10 @@ def routes(rows: list[dict[str, Any]]) -> str:
 
 def windows(accounts: list[dict[str, Any]]) -> str:
     """The provider accounts' windows: used of the limit, and each agent's share of them
-    (``*``: it waits for the account now)."""
+    (``*``: it waits for the account now). Account ``*`` is a provider's slots: its
+    window ``concurrency`` counts the calls in flight now."""
     if not accounts:
-        return "\nwindows: no provider account has an rpm or token limit"
+        return "\nwindows: no provider account has an rpm, token or concurrency limit"
     seconds = accounts[0]["window_sec"]
     rows = []
     for a in accounts:
@@ -209,7 +210,13 @@ def windows(accounts: list[dict[str, Any]]) -> str:
         for a in accounts
         for g in a["agents"]
     ]
-    text = f"\nwindows (the last {seconds:g} s):\n" + cli.table(["account", "window", "used"], rows)
+    slots = (
+        " (account *: a provider's slots in flight now)"
+        if any(a["account"] == "*" for a in accounts)
+        else ""
+    )
+    text = f"\nwindows (the last {seconds:g} s){slots}:\n"
+    text += cli.table(["account", "window", "used"], rows)
     if agents:
         text += "\n\nshares (* waits for the account):\n"
         text += cli.table(["account", "agent", "share", "used"], agents)

@@ -340,7 +340,7 @@ class Admission:
             conn, c, ask.agent, now, gates, take=take, recheck=recheck, need=ask.need
         )
         if gates.get("share") == "check":  # other agents wait for the account
-            fair = shares.check(conn, limits, c, ask.agent, limits.share, ask.need, now)
+            fair = shares.check(conn, limits, c, ask.agent, ask.need, now, recheck)
             gates["share"] = "ok" if fair is None else "refused"
             refusals += [fair] if fair is not None else []
         probe = False

@@ -163,8 +163,12 @@ class Limits:
     @property
     def contended(self) -> bool:
         """Whether the agents' fair shares apply: the account has windows (rpm, tokens; a
-        model's own are not shared out)."""
-        return bool(self.rpm or any(not g.startswith("model_") for g, _ in self.token_limits))
+        model's own are not shared out) or its provider slots in flight."""
+        return bool(
+            self.rpm
+            or self.provider_concurrency
+            or any(not g.startswith("model_") for g, _ in self.token_limits)
+        )
 
     @property
     def token_gates(self) -> tuple[str, ...]:

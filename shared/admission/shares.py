@@ -1,5 +1,5 @@
-"""Fair shares of a provider account's windows (rpm, tpm, itpm, otpm) among the agents
-that contend for them.
+"""Fair shares of a provider account's windows (rpm, tpm, itpm, otpm), and of its
+provider's slots in flight (``concurrency``), among the agents that contend for them.
 
 An agent refused by an account's window waits for it: ``Demand.note`` writes it
 to ``account_demand`` with its share (``[agents.X] share``, default 1) until a
@@ -19,6 +19,10 @@ no turn-taking state shared between processes, holds across every process and
 host at once, and is the same for a window whose agents each hold a worker or a
 hundred. No agent waiting (the common case): one ``EXISTS`` in the admission's
 statement, nothing more.
+
+The slots are shared out alike: an agent refused a slot (``provider_concurrency``)
+waits for the provider's slots (account ``SLOTS``), and while it does no other
+agent holds more than its part of them in flight (one, if its part is less).
 """
 
 from __future__ import annotations
@@ -43,18 +47,22 @@ if TYPE_CHECKING:
     from agentbus.config import Configured
     from agentbus.db import Database
 
-#: The gates whose refusal says an agent waits for its account's windows.
-GATES = frozenset({"rpm", "tpm", "itpm", "otpm", "share"})
+#: The gates whose refusal says an agent waits for its account's windows or its
+#: provider's slots in flight.
+GATES = frozenset({"rpm", "tpm", "itpm", "otpm", "share", "provider_concurrency"})
+#: The ``account`` of a wait for a provider's slots in flight (its ``concurrency``, which
+#: its accounts share): no account is named so.
+SLOTS = "*"
 
 _D = account_demand.c
 
 
 def others_waiting(now: Any) -> Any:
-    """SQL: whether another agent waits for the account (``p_provider``, ``p_account``;
-    not ``p_agent``) at ``now``."""
+    """SQL: whether another agent waits for the account or its provider's slots
+    (``p_provider``, ``p_account``; not ``p_agent``) at ``now``."""
     return sa.exists().where(
         _D.provider == sa.bindparam("p_provider", type_=sa.Text),
-        _D.account == sa.bindparam("p_account", type_=sa.Text),
+        sa.or_(_D.account == sa.bindparam("p_account", type_=sa.Text), _D.account == SLOTS),
         _D.agent != sa.bindparam("p_agent", type_=sa.Text),
         _D.until > now,
     )
@@ -78,24 +86,84 @@ def check(
     limits: Limits,
     c: Candidate,
     agent: str,
-    share: float,
     need: Tokens,
     now: float,
+    recheck: float,
 ) -> Refusal | None:
-    """The refusal of the fair share of ``c``'s account for ``agent`` (None: it may go
-    on), when other agents wait for the account. Run under the account's locks."""
+    """The refusal of the fair share of ``c``'s account, or of its provider's slots, for
+    ``agent`` (None: it may go on), when other agents wait for them. Run under the
+    account's and the provider's locks; ``recheck``: when a slot may have freed."""
     rows = list(
         conn.execute(
-            sa.select(_D.agent, _D.share, _D.until).where(
+            sa.select(_D.agent, _D.account, _D.share, _D.until).where(
                 _D.provider == c.provider,
-                _D.account == c.account,
+                sa.or_(_D.account == c.account, _D.account == SLOTS),
                 _D.agent != agent,
                 _D.until > now,
             )
         )
     )
-    if not rows:
+    windows = [row for row in rows if row.account != SLOTS]
+    refusal = _windows(conn, limits, c, agent, need, now, windows) if windows else None
+    slot_rows = [row for row in rows if row.account == SLOTS]
+    if refusal is None and slot_rows and limits.provider_concurrency:
+        refusal = _slots(conn, limits, c, agent, now, recheck, slot_rows)
+    return refusal
+
+
+def _slots(
+    conn: Connection,
+    limits: Limits,
+    c: Candidate,
+    agent: str,
+    now: float,
+    recheck: float,
+    rows: list[Any],
+) -> Refusal | None:
+    """The fair share of the provider's slots in flight (its ``concurrency``) while the
+    agents of ``rows`` wait for them: no agent holds more than its part (one, if its
+    part is less) while another waits. When one of its calls ends is unknown: it asks
+    again at ``recheck``, or when a wait lapses."""
+    limit, share = limits.provider_concurrency or 0, limits.share
+    waiting = {row.agent: float(row.share) for row in rows}
+    shares = {**waiting, agent: share}
+    slots = call_slots.c
+    held = {
+        row.agent: float(row.held)
+        for row in conn.execute(
+            sa.select(slots.agent, sa.func.count().label("held"))
+            .where(slots.provider == c.provider, slots.released_at.is_(None))
+            .where(slots.lease_until > now)
+            .group_by(slots.agent)
+        )
+    }
+    if fair(limit, 1, held, shares, agent):
         return None
+    part = limit * share / sum(shares.values())
+    retry = min(recheck, min(float(row.until) for row in rows))
+    detail = (
+        f"share: agent {agent} has {held.get(agent, 0):g} of its {part:g} of the {limit} "
+        f"calls in flight for {c.provider} while {_others(waiting)}"
+    )
+    return Refusal(Code.CONCURRENCY_FULL, retry, detail, "share")
+
+
+def _others(waiting: Mapping[str, float]) -> str:
+    n = len(waiting)
+    return f"{n} other agent{'s wait' if n != 1 else ' waits'}"
+
+
+def _windows(
+    conn: Connection,
+    limits: Limits,
+    c: Candidate,
+    agent: str,
+    need: Tokens,
+    now: float,
+    rows: list[Any],
+) -> Refusal | None:
+    """The fair share of the account's windows while the agents of ``rows`` wait."""
+    share = limits.share
     waiting = {row.agent: float(row.share) for row in rows}
     lapse = min(float(row.until) for row in rows)  # a wait ends unless its agent comes back
     shares = {**waiting, agent: share}
@@ -145,8 +213,7 @@ def check(
         mine_used = counts.get(agent, 0)
         detail = (
             f"share: agent {agent} has {mine_used:g} of its {part:g} of {gate} {limit:,} for "
-            f"{c.provider}/{c.account or '-'} while {len(waiting)} other agent"
-            f"{'s wait' if len(waiting) != 1 else ' waits'}"
+            f"{c.provider}/{c.account or '-'} while {_others(waiting)}"
         )
         return Refusal(Code.RATE_LIMITED, retry, detail, "share")
     return None
@@ -162,9 +229,10 @@ class Demand:
     def refused(
         self, db: Database, config: Configured, c: Candidate, agent: str, answer: object
     ) -> None:
-        """If ``answer`` is a refusal by a window of ``c``'s account, ``agent`` waits for
-        the account until a little after the refusal said: when its paused task is tried
-        again (the sweeper's look, a worker's poll and a recheck later)."""
+        """If ``answer`` is a refusal by a window of ``c``'s account (or by its provider's
+        slots), ``agent`` waits for the account (the slots) until a little after the
+        refusal said: when its paused task is tried again (the sweeper's look, a
+        worker's poll and a recheck later)."""
         if not isinstance(answer, Refusal) or answer.gate not in GATES:
             return
         if answer.code is Code.TOO_LARGE:  # never admitted: nothing to wait for
@@ -172,18 +240,27 @@ class Demand:
         s, agents = config.settings, config.catalog.agents
         margin = s.sweep_peek_sec + s.poll_sec + s.admission_recheck_sec
         share = agents[agent].share if agent in agents else 1.0
-        self.note(db, c, agent, share, answer, margin)
+        # A slot refusal (its own gate, or the share of the slots) waits for the slots.
+        account = SLOTS if answer.code is Code.CONCURRENCY_FULL else c.account
+        self.note(db, c.provider, account, agent, share, answer, margin)
 
     def note(
-        self, db: Database, c: Candidate, agent: str, share: float, refusal: Refusal, margin: float
+        self,
+        db: Database,
+        provider: str,
+        account: str,
+        agent: str,
+        share: float,
+        refusal: Refusal,
+        margin: float,
     ) -> None:
-        """``agent`` was refused by a window of ``c``'s account: it waits for the account
-        until ``margin`` seconds after the refusal said."""
-        key = (c.provider, c.account, agent)
+        """``agent`` was refused by a window of ``provider``'s ``account`` (``SLOTS``: by
+        its slots): it waits for them until ``margin`` seconds after the refusal said."""
+        key = (provider, account, agent)
         until = refusal.retry_after + margin
         if self._noted.get(key, -math.inf) >= until - margin / 2:
             return
-        row = {"provider": c.provider, "account": c.account, "agent": agent, "share": share}
+        row = {"provider": provider, "account": account, "agent": agent, "share": share}
 
         def work(conn: Connection) -> None:
             insert: Any = dialect_insert(conn.dialect.name)(account_demand)
@@ -219,7 +296,8 @@ def standing(
     per window its limit (configured, else ``learnt`` from the answers) and what the
     calls of the last ``window`` seconds used of it; per agent that used or waits for
     the account, its share, whether it waits, and what it used. A model's own token
-    window is named after the window and the model (``tpm gpt-4o``)."""
+    window is named after the window and the model (``tpm gpt-4o``); a provider's slots
+    show as its account ``SLOTS``, window ``concurrency``: its calls in flight now."""
     slots = call_slots.c
     # (provider, account) -> (model, agent) -> window -> used
     used: dict[tuple[str, str], dict[tuple[str, str], dict[str, float]]] = {}
@@ -242,10 +320,20 @@ def standing(
     for row in conn.execute(sa.select(_D.provider, _D.account, _D.agent, _D.share, _D.until)):
         if row.until > now:
             waiting.setdefault((row.provider, row.account), {})[row.agent] = float(row.share)
+    # A provider's slots show as its account SLOTS, window "concurrency": calls in flight.
+    for row in conn.execute(
+        sa.select(slots.provider, slots.agent, sa.func.count())
+        .where(slots.released_at.is_(None), slots.lease_until > now)
+        .group_by(slots.provider, slots.agent)
+    ):
+        calls = used.setdefault((row.provider, SLOTS), {})
+        calls[("", row.agent)] = {"concurrency": float(row[2])}
     # (provider, account) -> (window, model or None) -> (limit, learnt)
     limits: dict[tuple[str, str], dict[tuple[str, str | None], tuple[int, bool]]] = {}
     models = list(catalog.models.values()) if catalog else []
     for provider in catalog.providers.values() if catalog else ():
+        if provider.concurrency:
+            limits[(provider.name, SLOTS)] = {("concurrency", None): (provider.concurrency, False)}
         for account in provider.accounts:
             mine = limits.setdefault((provider.name, account.name), {})
             for gate, limit in {"rpm": account.rpm, **account.token_limits}.items():
@@ -264,7 +352,7 @@ def standing(
     for key in sorted(k for k, v in limits.items() if v):
         calls = used.get(key, {})
         waits = waiting.get(key, {})
-        names = sorted({agent for _, agent in calls} | set(waits) - {""})  # "": elsewhere
+        names = sorted(({agent for _, agent in calls} | set(waits)) - {""})  # "": elsewhere
         shown = sorted(limits[key].items(), key=lambda item: (item[0][1] or "", item[0][0]))
         named = {
             (gate, model): gate if model is None else f"{gate} {model}"
