@@ -8,13 +8,15 @@ running at once harmless. Rescue runs before stale worker rows are pruned.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from typing import Any
 
 from agentbus.admission.admission import Admission
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import Refusal
 from agentbus.admission.routing import Candidate
+from agentbus.admission.tokens import Request
 from agentbus.config import LiveConfig, Settings
 from agentbus.db import Database
 from agentbus.errors import ConfigError
@@ -77,33 +79,30 @@ def resume(s: Sweep) -> dict[str, int]:
     seen: set[tuple[str, str]] = set()
     blocked: dict[tuple[str, str], float] = {}
     room: dict[tuple[str, str], int] = {}
+    free: dict[tuple[str, str], dict[str, int]] = {}  # token windows: tokens left
     for _ in range(MAX_ROUNDS):
         rows = s.queue.due_pauses(batch)
         if not rows:
             break
-        due = []
-        for r in rows:
-            chain = _candidates(s, r)
+        requests = _Requests(s, rows)
+        chains = [_candidates(s, r) for r in rows]
+        due = [_due(s, r, chain, requests) for r, chain in zip(rows, chains, strict=True)]
+        # Each candidate is asked once a pass, for the smallest call of its tasks here.
+        for r, chain in zip(rows, chains, strict=True):
             for candidate in chain or ():
                 key = (r.agent, candidate.key)
                 if key not in blocked and key not in seen:
                     seen.add(key)
-                    answer = s.admission.peek(candidate, agent=r.agent)
+                    sizes = [d.needs[candidate.key] for d in due if candidate.key in d.needs]
+                    need = min(sizes, key=lambda n: n.input + n.output) if sizes else None
+                    answer = s.admission.peek(candidate, agent=r.agent, need=need)
                     if isinstance(answer, Refusal):
                         blocked[key] = answer.retry_after
-                    elif answer.room is not None:
-                        room[key] = answer.room
-            due.append(
-                DueTask(
-                    r.id,
-                    r.agent,
-                    tuple(c.key for c in chain) if chain is not None else None,
-                    r.resume_after,
-                    r.paused_at,
-                    r.pause_model,
-                    r.reentry_count,
-                )
-            )
+                    else:
+                        if answer.room is not None:
+                            room[key] = answer.room
+                        if answer.tokens is not None:
+                            free[key] = dict(answer.tokens)
         plan = plan_resume(
             due,
             blocked,
@@ -111,8 +110,10 @@ def resume(s: Sweep) -> dict[str, int]:
             reentry_hold_sec=s.settings.reentry_hold_sec,
             room=room,
             recheck_at=s.clock() + s.settings.admission_recheck_sec,
+            tokens=free,
         )
-        room = plan.room_left  # what these resumes take is gone for the next batch
+        # What these resumes take is gone for the next batch.
+        room, free = plan.room_left, plan.tokens_left
         agents = {d.id: d for d in due}
         for task_id in s.queue.resume(plan.resume):
             log.info(
@@ -136,6 +137,36 @@ def resume(s: Sweep) -> dict[str, int]:
         if len(rows) < batch:
             break
     return counts
+
+
+class _Requests:
+    """The calls of a batch of due tasks, read the first time a token window asks."""
+
+    def __init__(self, s: Sweep, rows: list[DuePause]) -> None:
+        self.s, self.ids = s, [r.id for r in rows]
+        self._read: dict[int, tuple[str, Mapping[str, Any]]] | None = None
+
+    def of(self, task_id: int) -> Request | None:
+        if self._read is None:
+            self._read = self.s.queue.requests(self.ids)
+        said = self._read.get(task_id)
+        return None if said is None else Request(*said)
+
+
+def _due(
+    s: Sweep, r: DuePause, chain: tuple[Candidate, ...] | None, requests: _Requests
+) -> DueTask:
+    """A due pause as the resume plan sees it: its chain and what its call needs of
+    each candidate's token windows."""
+    needs = {}
+    for c in chain or ():
+        need = s.admission.estimate(c, r.agent, lambda: requests.of(r.id))
+        if need is not None:
+            needs[c.key] = need
+    keys = tuple(c.key for c in chain) if chain is not None else None
+    return DueTask(
+        r.id, r.agent, keys, r.resume_after, r.paused_at, r.pause_model, r.reentry_count, needs
+    )
 
 
 def _candidates(s: Sweep, task: DuePause) -> tuple[Candidate, ...] | None:

@@ -294,6 +294,30 @@ def test_plan_resume_resumes_no_more_tasks_than_there_is_room_for() -> None:
     assert plan.room_left == {("a", "m1"): 0, ("b", "m1"): 0}
 
 
+def test_plan_resume_spends_the_token_windows_by_each_task_s_estimate() -> None:
+    from agentbus.admission.tokens import Tokens
+
+    def task(i: int, need: int, chain: tuple[str, ...] = ("m1", "m2")) -> DueTask:
+        needs = {m: Tokens(need, 10) for m in chain}
+        return DueTask(i, "a", chain, 10.0, 0.0, "m1", 0, needs)
+
+    plan = plan_resume(
+        [task(1, 500), task(2, 600), task(3, 300), task(4, 90, ("m2",)), task(5, 1)],
+        {},
+        reentry_limit=3,
+        reentry_hold_sec=300,
+        room={("a", "m1"): 5},
+        recheck_at=12.0,
+        tokens={("a", "m1"): {"tpm": 1000, "otpm": 100}, ("a", "m2"): {"itpm": 100}},
+    )
+    # 1 takes 510 of m1's 1000; 2 fits neither m1 (490 left) nor m2 (100); 3 takes 310
+    # of m1; 4 takes 90 of m2; 5 fits m1's 180 left, so m2 is not spent.
+    assert plan.resume == [1, 3, 4, 5]
+    assert plan.postpone == {2: 12.0}
+    assert plan.tokens_left == {("a", "m1"): {"tpm": 169, "otpm": 70}, ("a", "m2"): {"itpm": 10}}
+    assert plan.room_left == {("a", "m1"): 2}
+
+
 def test_old_routing_history_and_spent_call_slots_are_purged(
     db: Database, clock: FakeClock
 ) -> None:

@@ -404,3 +404,47 @@ def test_params_that_are_not_whole_numbers_count_as_not_given() -> None:
     odd = {"max_tokens": "lots", "n": 2.5}
     assert tokens.estimate("hi", {}, odd, 777).output == 777
     assert tokens.estimate("hi", {}, {"max_tokens": True, "n": 0}, 5).output == 5
+
+
+# -- the sweeper's look before it resumes -------------------------------------
+
+
+def test_the_sweeper_resumes_only_the_paused_calls_that_fit_the_window(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    """A resume that the window cannot take would only pause again: each due task's
+    estimate is spent from the tokens the window has left, in resume order."""
+    from agentbus.config import LiveConfig
+    from agentbus.queue.tasks import TaskSpec
+    from agentbus.sweeper import jobs
+
+    (adm,) = admissions(db, clock, tmp_path, "tpm = 1000", n=1)
+    s = jobs.Sweep(db, LiveConfig(load_config(tmp_path / "agentbus.toml", environ={})), clock=clock)
+    start = clock.now
+    for name in ("a", "b"):  # both accounts' windows: 800 of 1000 used
+        held = ask(adm, None, name)
+        assert isinstance(held, Permit)
+        adm.finish(held, Succeeded("ok", Usage(prompt_tokens=800, completion_tokens=0)))
+
+    def paused(chars: int) -> int:  # chars / 4 + 8 + 10 tokens
+        spec = TaskSpec(
+            agent="codex",
+            command="x" * chars,
+            models=("sim/m",),
+            payload={"params": {"max_tokens": 10}},
+        )
+        task_id = s.queue.enqueue(spec).id
+        (task,) = s.queue.claim("codex", "w", 30)
+        s.queue.pause(task.id, task.claim_token, clock.now, "tpm", model="sim/m")
+        return task_id
+
+    small, large, medium = paused(40), paused(800), paused(100)  # 28, 218 and 43 tokens
+    clock.advance(1)
+    assert jobs.resume(s) == {"resumed": 2, "postponed": 1, "held": 0}
+    assert [s.queue.get(t).status for t in (small, large, medium)] == ["queued", "paused", "queued"]
+    recheck = s.settings.admission_recheck_sec
+    assert s.queue.get(large).resume_after == clock.now + recheck  # 200 left; 71 resumed
+    # Alone, it is asked for by its size: refused until the 800 tokens leave the window.
+    clock.advance(recheck)
+    assert jobs.resume(s)["postponed"] == 1
+    assert s.queue.get(large).resume_after == pytest.approx(start + 60)

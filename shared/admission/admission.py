@@ -34,7 +34,6 @@ from agentbus.admission.budget import ClientBudget, Reserve, WorkspaceBudget
 from agentbus.admission.circuit import CircuitStore
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import (
-    SLOT_CODES,
     Admissible,
     Code,
     Cooled,
@@ -44,6 +43,7 @@ from agentbus.admission.gates import (
     cools,
     cost,
     refuse,
+    slot_refusal,
 )
 from agentbus.admission.limits import KeptLimits
 from agentbus.admission.routing import Candidate, KeptResolutions, Resolution
@@ -153,8 +153,7 @@ class Admission:
     # -- admitting -----------------------------------------------------------
 
     def walk(self) -> AbstractContextManager[object]:
-        """One task's walk over its candidates: a client-budget bulk pass, so that the
-        refusals of the whole walk become one ``refused_batch`` event."""
+        """One task's walk over its candidates: its client-budget refusals, one event."""
         return _NO_PASS if self.budget is None else self.budget.bulk_pass()
 
     def admit(
@@ -210,13 +209,13 @@ class Admission:
         wait = self.settings.admission_wait_ms / 1000
         attempt = self._admit_once
         answer = attempt(candidate, agent, task_id, lease_sec, True, request)
-        if not _slot_refusal(answer) or wait <= 0:
+        if not slot_refusal(answer) or wait <= 0:
             assert isinstance(answer, (Permit, Refusal))  # only a peek answers otherwise
             return answer
         import tenacity  # only when a slot is to be waited for
 
         retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_result(_slot_refusal),
+            retry=tenacity.retry_if_result(slot_refusal),
             stop=tenacity.stop_after_delay(wait),
             wait=tenacity.wait_fixed(min(0.02, wait)),
             sleep=self.sleep,
@@ -226,13 +225,25 @@ class Admission:
         assert isinstance(result, (Permit, Refusal))
         return result
 
-    def peek(self, candidate: Candidate, *, agent: str) -> Refusal | Admissible:
-        """Would ``candidate`` be admitted now, and how many calls fit? Takes nothing
-        (the sweeper's resume check: it resumes no more tasks than there is room for)."""
-        answer = self._admit_once(candidate, agent, None, 0.0, False)
+    def peek(
+        self, candidate: Candidate, *, agent: str, need: tokens.Tokens | None = None
+    ) -> Refusal | Admissible:
+        """Would ``candidate`` admit a call (of ``need`` tokens) now, and how many calls
+        and tokens fit? Takes nothing (the sweeper's look before it resumes tasks)."""
+        answer = self._admit_once(candidate, agent, None, 0.0, False, need)
         assert not isinstance(answer, Permit)
         self.demand.refused(self.db, self.live, candidate, agent, answer)
         return Admissible() if answer is None else answer
+
+    def estimate(
+        self, c: Candidate, agent: str, request: Callable[[], tokens.Request | None]
+    ) -> tokens.Tokens | None:
+        """A task's call to ``c`` (``request`` reads it, if a token window counts it): its
+        tokens (None: none counts them, or it is larger than one: refused for good)."""
+        limits = self._limits.of(self.catalog, self.settings, c, agent, self.learnt.known)
+        said = request() if limits.token_limits else None
+        need = tokens.need_of(self.catalog, self.settings, c, said)
+        return need if said is not None and not limits.too_large(c, need) else None
 
     def _admit_once(
         self,
@@ -263,10 +274,8 @@ class Admission:
         limits = self._limits.of(self.catalog, self.settings, c, agent, self.learnt.known)
         limited = limits.any
         need = tokens.UNKNOWN
-        if limits.token_limits and isinstance(request, tokens.Tokens):
-            need = request  # what the caller said the call uses
-        elif limits.token_limits and isinstance(request, tokens.Request):
-            need = tokens.of_call(self.catalog, self.settings, c, request)
+        if limits.token_limits:
+            need = tokens.need_of(self.catalog, self.settings, c, request)
         too_large = limits.too_large(c, need) if limits.token_limits else None
         if too_large is not None:  # never admitted: whatever else refuses, this is final
             gates[too_large.gate] = "refused"
@@ -336,8 +345,9 @@ class Admission:
             slots.lock_gates(conn, ask.lock_keys(gates))
         now = self.clock()
         recheck = now + self.settings.admission_recheck_sec
+        free: dict[str, int] = {}  # the tokens each token window has left (a peek's)
         refusals, rooms = limits.check(
-            conn, c, ask.agent, now, gates, take=take, recheck=recheck, need=ask.need
+            conn, c, ask.agent, now, gates, take=take, recheck=recheck, need=ask.need, free=free
         )
         if gates.get("share") == "check":  # other agents wait for the account
             fair = shares.check(conn, limits, c, ask.agent, ask.need, now, recheck)
@@ -357,7 +367,7 @@ class Admission:
         if refused is not None:
             return refused
         if not take:
-            return Admissible(min(rooms) if rooms else None)
+            return Admissible(min(rooms) if rooms else None, free or None)
         if probe and not self.circuits.take_probe(conn, provider, now, ask.lease_sec):
             detail = "another process holds the probe"
             return Refusal(Code.CIRCUIT_OPEN, recheck, detail, "circuit", gates)
@@ -488,7 +498,3 @@ class Admission:
 
         self._unusable = self.db.read(work)
         self._read_at = now
-
-
-def _slot_refusal(answer: object) -> bool:
-    return isinstance(answer, Refusal) and answer.code in SLOT_CODES

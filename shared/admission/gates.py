@@ -7,6 +7,7 @@ worker pauses a task until the earliest such time of its candidates.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -67,6 +68,11 @@ _ACTIONS = {
 SLOT_CODES = frozenset({Code.CONCURRENCY_FULL, Code.BULKHEAD_FULL})
 
 
+def slot_refusal(answer: object) -> bool:
+    """Whether ``answer`` refuses for want of a slot (one may free at any moment)."""
+    return isinstance(answer, Refusal) and answer.code in SLOT_CODES
+
+
 @dataclass(frozen=True)
 class Refusal:
     """A candidate may not be called now; ``retry_after`` (epoch) is when it may.
@@ -109,9 +115,11 @@ class Cooled(NamedTuple):
 
 @dataclass(frozen=True)
 class Admissible:
-    """A peek's yes: ``room`` more calls fit now (None: no limit counts them)."""
+    """A peek's yes: ``room`` more calls fit now (None: no limit counts them), and the
+    tokens each token window has left now (``tokens``; None: no token window)."""
 
     room: int | None = None
+    tokens: Mapping[str, int] | None = None
 
 
 def refuse(refusals: list[Refusal], gates: dict[str, Any]) -> Refusal | None:

@@ -17,7 +17,7 @@ from sqlalchemy.engine import Connection
 from agentbus.admission import shares, usage
 from agentbus.admission.gates import Code, Refusal, day_of, next_day, window_free_at
 from agentbus.admission.routing import Candidate
-from agentbus.admission.tokens import UNKNOWN, Tokens, token_window_blocker
+from agentbus.admission.tokens import UNKNOWN, Tokens, token_window_blocker, token_window_used
 from agentbus.catalog import Catalog
 from agentbus.config import Settings
 from agentbus.db.compiled import prepared
@@ -146,14 +146,16 @@ class Limits:
         take: bool,
         recheck: float,
         need: Tokens,
+        free: dict[str, int] | None = None,
     ) -> tuple[list[Refusal], list[int]]:
         """The refusals of the limited gates, and the room each leaves (calls that fit now;
-        windows count theirs only when not ``take``-ing: the sweeper's question). ``gates``
-        gets each gate's result for the routing history; ``need``: the call's tokens."""
+        windows count theirs only when not ``take``-ing: the sweeper's question, when
+        ``free`` gets the tokens each token window has left too). ``gates`` gets each
+        gate's result for the routing history; ``need``: the call's tokens."""
         shape = (*self.shape(take), self.token_gates, self.contended)
         statement = prepared(conn.dialect, counts_statement(*shape))
         answers = statement.tuples(statement.execute(conn, self.params(c, agent, now, need)))[0]
-        return self.read(answers, c, agent, now, gates, take=take, recheck=recheck)
+        return self.read(answers, c, agent, now, gates, take=take, recheck=recheck, free=free)
 
     def shape(self, take: bool) -> tuple[tuple[str, ...], tuple[str, ...], bool, bool]:
         """Which gates ``counts_statement`` counts (its arguments but ``token_gates``)."""
@@ -225,6 +227,7 @@ class Limits:
         *,
         take: bool,
         recheck: float,
+        free: dict[str, int] | None = None,
     ) -> tuple[list[Refusal], list[int]]:
         """``check``'s answer from the row of ``counts_statement``."""
         refusals: list[Refusal] = []
@@ -257,6 +260,10 @@ class Limits:
         for gate, limit in self.token_limits:
             free_at = window_free_at(next(answers), self.token_window, now)
             gates[gate] = "ok" if free_at is None else "refused"
+            if not take:
+                left = limit - int(next(answers) or 0)
+                if free is not None:
+                    free[gate] = max(0, left)
             if free_at is not None:
                 what = _whose(gate, c)
                 detail = f"{gate}: {limit:,} tokens per {self.token_window:g}s for {what}"
@@ -401,8 +408,9 @@ def count_columns(
     (``<gate>``); a window's limit-th newest call while it is in the window at ``now``,
     NULL otherwise (``<gate>_nth``: compared as ``gates.window_free_at`` compares, so
     both read it alike); its calls (``<gate>_calls``, when not ``take``-ing); a token
-    window's call that must leave it first (``<gate>_free``, ``token_window_blocker``);
-    the day's ``tokens`` and ``cost``; and whether other agents wait for the account
+    window's call that must leave it first (``<gate>_free``, ``token_window_blocker``)
+    and its tokens (``<gate>_used``, when not ``take``-ing); the day's ``tokens`` and
+    ``cost``; and whether other agents wait for the account or its provider's slots
     (``others_waiting``, when ``fair``: their shares then decide too)."""
     asked: list[Any] = []
     open_slot = sa.and_(call_slots.c.released_at.is_(None), call_slots.c.lease_until > _P_NOW)
@@ -437,6 +445,8 @@ def count_columns(
             )
     for gate in token_gates:
         asked.append(token_window_blocker(gate).scalar_subquery().label(f"{gate}_free"))
+        if not take:
+            asked.append(token_window_used(gate).scalar_subquery().label(f"{gate}_used"))
     if budgets:
         tokens, cost = usage.today_columns(sa.bindparam("p_day", type_=sa.Float))
         asked += [tokens.label("tokens"), cost.label("cost")]

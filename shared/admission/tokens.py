@@ -111,6 +111,16 @@ def of_call(catalog: Catalog, settings: Settings, c: Candidate, request: Request
     return estimate(request.text, request.payload, params, default)
 
 
+def need_of(
+    catalog: Catalog, settings: Settings, c: Candidate, request: Request | Tokens | None
+) -> Tokens:
+    """What a call to ``c`` holds of its token windows: what its caller said it uses
+    (``Tokens``), the estimate of a task's call (``Request``), else nothing known."""
+    if isinstance(request, Tokens):
+        return request
+    return UNKNOWN if request is None else of_call(catalog, settings, c, request)
+
+
 def _chars(text: str) -> int:
     """The characters of ``text``, those neither a letter nor a space counted twice."""
     return len(text) + len(_ONCE.sub("", text))
@@ -185,3 +195,11 @@ def token_window_blocker(gate: str) -> Any:
     )
     room = sa.bindparam(f"p_{gate}_room", type_=sa.BigInteger)
     return sa.select(sa.func.max(in_window.c.at)).where(in_window.c.newer > room)
+
+
+def token_window_used(gate: str) -> Any:
+    """SQL: the tokens the calls in the account's token window ``gate`` hold now."""
+    counted = sa.func.coalesce(sa.func.sum(TOKENS_OF[gate]), 0)
+    return sa.select(counted).where(
+        IN_TOKEN_WINDOW, OF_MODEL if gate.startswith("model_") else sa.true()
+    )

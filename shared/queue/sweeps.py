@@ -83,6 +83,17 @@ class SweepOps(GuardedQueue):
             for r in rows
         ]
 
+    def requests(self, ids: Sequence[int]) -> dict[int, tuple[str, Mapping[str, Any]]]:
+        """The text and payload of these tasks, by id (what the sweeper estimates their
+        calls' tokens by); a row whose payload is not an object is left out."""
+        query = sa.select(t.c.id, t.c.command, t.c.payload).where(t.c.id.in_(list(ids)))
+        rows = self.db.read(lambda conn: conn.execute(query).all()) if ids else []
+        return {
+            r.id: (r.command or "", r.payload if isinstance(r.payload, Mapping) else {})
+            for r in rows
+            if r.payload is None or isinstance(r.payload, Mapping)
+        }
+
     def long_pauses(self, paused_since: float, limit: int) -> dict[int, str]:
         """Task id -> agent of tasks whose pause episode began at or before ``paused_since``."""
         query = (
