@@ -14,6 +14,7 @@ from agentbus.admission import shares
 from agentbus.admission.admission import Admissible, Admission, Permit
 from agentbus.admission.cooldowns import CooldownStore
 from agentbus.admission.gates import Code, Refusal
+from agentbus.admission.tokens import Tokens
 from agentbus.catalog import parse_catalog
 from agentbus.config import load_config
 from agentbus.db import Database
@@ -271,3 +272,47 @@ def test_the_provider_s_slots_are_shared_out_while_an_agent_waits_for_one(
     big[2].__exit__(None, None, None)
     clock.advance(10)
     assert isinstance(take("big"), Permit)
+
+
+def test_a_model_s_own_token_window_is_shared_out_too(
+    db: Database, clock: FakeClock, tmp_path: Path
+) -> None:
+    """A provider that limits tokens per model: the agents that call the model share its
+    window through the account as they share the account's."""
+    path = tmp_path / "agentbus.toml"
+    model = '[models."sim/m"]\nprovider = "sim"\ntpm = 300\n'
+    path.write_text(CONFIG.format(extra="").replace("rpm = 6", "") + model)
+    adm = Admission(
+        db,
+        load_config(path, environ={}),
+        worker="w1",
+        cooldowns=CooldownStore(db, clock=clock, cache_sec=1e-9),
+        environ={},
+        clock=clock,
+        cache_sec=1e-9,
+    )
+    (c,) = adm.resolve(models=None, role=None, agent="big").candidates
+    start = clock.now
+
+    def call(agent: str) -> Permit | Refusal:
+        answer = adm.admit(c, agent=agent, task_id=1, lease_sec=60, request=Tokens(50, 0))
+        if isinstance(answer, Permit):
+            answer.__exit__(None, None, None)
+        return answer
+
+    for _ in range(6):  # nobody else waits: big may fill the model's window
+        assert isinstance(call("big"), Permit)
+    refused = call("small")
+    assert isinstance(refused, Refusal) and refused.gate == "model_tpm"
+    assert waits(db)[0][0] == "small"
+    clock.now = start + 60.5  # all six left: big may take its half, 150
+    for _ in range(3):
+        assert isinstance(call("big"), Permit)
+    kept = call("big")
+    assert isinstance(kept, Refusal) and kept.gate == "share"
+    assert kept.detail == (
+        "share: agent big has 150 of its 150 of model_tpm 300 for sim/m through sim/- "
+        "while 1 other agent waits"
+    )
+    for _ in range(3):
+        assert isinstance(call("small"), Permit)

@@ -164,13 +164,9 @@ class Limits:
 
     @property
     def contended(self) -> bool:
-        """Whether the agents' fair shares apply: the account has windows (rpm, tokens; a
-        model's own are not shared out) or its provider slots in flight."""
-        return bool(
-            self.rpm
-            or self.provider_concurrency
-            or any(not g.startswith("model_") for g, _ in self.token_limits)
-        )
+        """Whether the agents' fair shares apply: the account has windows (rpm, tokens,
+        the model's own) or its provider slots in flight."""
+        return bool(self.rpm or self.provider_concurrency or self.token_limits)
 
     @property
     def token_gates(self) -> tuple[str, ...]:

@@ -1,5 +1,6 @@
-"""Fair shares of a provider account's windows (rpm, tpm, itpm, otpm), and of its
-provider's slots in flight (``concurrency``), among the agents that contend for them.
+"""Fair shares of a provider account's windows (rpm, tpm, itpm, otpm, and a model's
+own token windows through it), and of its provider's slots in flight
+(``concurrency``), among the agents that contend for them.
 
 An agent refused by an account's window waits for it: ``Demand.note`` writes it
 to ``account_demand`` with its share (``[agents.X] share``, default 1) until a
@@ -49,7 +50,10 @@ if TYPE_CHECKING:
 
 #: The gates whose refusal says an agent waits for its account's windows or its
 #: provider's slots in flight.
-GATES = frozenset({"rpm", "tpm", "itpm", "otpm", "share", "provider_concurrency"})
+GATES = frozenset(
+    {"rpm", "tpm", "itpm", "otpm", "model_tpm", "model_itpm", "model_otpm"}
+    | {"share", "provider_concurrency"}
+)
 #: The ``account`` of a wait for a provider's slots in flight (its ``concurrency``, which
 #: its accounts share): no account is named so.
 SLOTS = "*"
@@ -171,6 +175,7 @@ def _windows(
     since = now - window
     slots = call_slots.c
     mine = slots.agent == agent
+    of_model = slots.model == c.model  # a model's own windows count its calls alone
     used: dict[str, dict[str, float]] = {}
     for row in conn.execute(
         sa.select(
@@ -178,17 +183,18 @@ def _windows(
             sa.func.count(slots.account_seq),
             sa.func.coalesce(sa.func.sum(slots.tokens_in), 0),
             sa.func.coalesce(sa.func.sum(slots.tokens_out), 0),
+            sa.func.coalesce(sa.func.sum(sa.case((of_model, slots.tokens_in))), 0),
+            sa.func.coalesce(sa.func.sum(sa.case((of_model, slots.tokens_out))), 0),
         )
         .where(slots.provider == c.provider, slots.account == c.account, slots.admitted_at > since)
         .group_by(slots.agent)
     ):
-        used[row.agent] = _by_gate(row[1], row[2], row[3])
+        model = _by_gate(0, row[4], row[5])
+        used[row.agent] = _by_gate(row[1], row[2], row[3]) | {
+            f"model_{gate}": n for gate, n in model.items() if gate != "rpm"
+        }
     windows = [("rpm", limits.rpm[0], 1)] if limits.rpm else []
-    windows += [  # the account's windows (a model's own window is not shared out)
-        (gate, limit, need.of(gate))
-        for gate, limit in limits.token_limits
-        if not gate.startswith("model_")
-    ]
+    windows += [(gate, limit, need.of(gate)) for gate, limit in limits.token_limits]
     for gate, limit, wanted in windows:
         counts = {name: by_gate[gate] for name, by_gate in used.items()}
         if fair(limit, wanted, counts, shares, agent):
@@ -201,7 +207,7 @@ def _windows(
         own = (
             sa.select(slots.admitted_at.label("at"), newer.label("newer"))
             .where(slots.provider == c.provider, slots.account == c.account, mine)
-            .where(slots.admitted_at > since)
+            .where(slots.admitted_at > since, of_model if gate.startswith("model_") else sa.true())
             .subquery()
         )
         # Its own calls leaving the window bring it back within its part …
@@ -211,9 +217,10 @@ def _windows(
         # … or a waiting agent's part lapses, when it has not come back for it.
         retry = lapse if leaves is None else min(leaves + window, lapse)
         mine_used = counts.get(agent, 0)
+        whose = f"{c.model} through " if gate.startswith("model_") else ""
         detail = (
             f"share: agent {agent} has {mine_used:g} of its {part:g} of {gate} {limit:,} for "
-            f"{c.provider}/{c.account or '-'} while {_others(waiting)}"
+            f"{whose}{c.provider}/{c.account or '-'} while {_others(waiting)}"
         )
         return Refusal(Code.RATE_LIMITED, retry, detail, "share")
     return None
