@@ -367,7 +367,6 @@ account_limits = sa.Table(
     sa.Column("model", Text, primary_key=True),
     sa.Column("gate", Text, primary_key=True),  # tpm, itpm, otpm
     sa.Column("size", BigInteger, nullable=False),  # tokens per window
-    sa.Column("remaining", BigInteger),  # what the answer said was left, when it said
     sa.Column("observed_at", Epoch, nullable=False),
 )
 
