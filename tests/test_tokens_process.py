@@ -4,16 +4,18 @@ provider's journal."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
+from agentbus.db import Database
 from agentbus.queue import TaskQueue, reads
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import call_slots
-from tests.support import wait_until
+from tests.support import Proc, wait_until
 from tests.test_admission_process import journal, live_queue, setup, statuses, stop, workers
 
 __all__ = ["live_queue"]  # the fixture, for the tests here
@@ -104,3 +106,45 @@ def test_four_workers_share_a_token_window_and_pause_until_it_has_room(
     rows = admitted()
     assert len(rows) == len(ids)
     assert most_tokens_in_window(rows, WINDOW) <= LIMIT + WORKERS * ERROR
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("[providers.sim]\nkind = 'simulated'\ntpm = -5\n", "tpm must be a whole number"),
+        (
+            "[providers.sim]\nkind = 'simulated'\n"
+            "[agents.codex]\nmodels = ['sim/a']\nshare = 'lots'\n",
+            "share must be a positive number",
+        ),
+        ("[agents.ghost]\nshare = 2\n", "give either role or models"),
+        (
+            "[providers.sim]\nkind = 'simulated'\n[models.'sim/a']\nprovider = 'sim'\n"
+            "params = { max_tokens = 3000000000 }\n",
+            "max_tokens must be a whole number from 1 to",
+        ),
+    ],
+)
+def test_a_bad_token_limit_or_share_is_one_line_and_exit_2(
+    db_url: str,
+    run_busctl: Callable[..., subprocess.CompletedProcess[str]],
+    spawn: Callable[..., Proc],
+    tmp_path: Path,
+    body: str,
+    message: str,
+) -> None:
+    """The worker and busctl refuse the config before they touch the database."""
+    config = tmp_path / "agentbus.toml"
+    config.write_text(body)
+    worker = spawn("worker", "--agent", "codex", "--db", db_url, "--config", str(config))
+    assert worker.wait() == 2
+    lines = Path(worker.log_path).read_text().strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+    enqueued = run_busctl(
+        "--db", db_url, "--config", str(config), "enqueue", "--agent", "codex", "hi"
+    )
+    assert enqueued.returncode == 2 and message in enqueued.stderr, enqueued.stderr
+    assert len(enqueued.stderr.strip().splitlines()) == 1
+    db = Database(db_url)
+    assert reads.counts(db) == {}
+    db.dispose()
