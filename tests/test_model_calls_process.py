@@ -224,3 +224,41 @@ def test_a_cooldown_learnt_from_headers_spares_the_next_worker_its_429(
     assert [(c["model_id"], c["reason"]) for c in json.loads(listed.stdout)] == [
         ("gpt", "limit_reached")
     ]
+
+
+def test_a_token_window_learnt_by_one_worker_holds_for_the_next(
+    db_url: str, spawn: Spawn, mock_llm: MockLLM, tmp_path: Path
+) -> None:
+    """No tpm configured: the first answer's headers announce one, and another process
+    then admits by it: a call larger than it fails for good, a call it has no room for
+    pauses until the call before it leaves the window."""
+    from agentbus.schema import call_slots
+
+    config = openai_config(tmp_path, mock_llm)
+    env = {"AGENTBUS_DATABASE_URL": db_url, "AGENTBUS_CONFIG": config, "OAI_KEY": "sk-x"}
+    said = {"x-ratelimit-limit-tokens": "2000", "x-ratelimit-remaining-tokens": "1900"}
+    used = {**openai_answer(), "usage": {"prompt_tokens": 1000, "completion_tokens": 100}}
+    mock_llm.then = Answer(200, used, said)
+    params = {"params": {"max_tokens": 100}}
+
+    bus = AgentBus(db_url)
+    try:
+        first = bus.enqueue("alpha", "hello", models=["gpt"], payload=params)
+        one = spawn("worker", "--agent", "alpha", "--drain", env=env)
+        assert one.wait() == 0, one.text()
+        huge = bus.enqueue("beta", "word " * 1800, models=["gpt"], payload=params)  # ~2,350
+        fits = bus.enqueue("beta", "word " * 800, models=["gpt"], payload=params)  # ~1,108
+        waits = bus.enqueue("beta", "word " * 800, models=["gpt"], payload=params)
+        two = spawn("worker", "--agent", "beta", "--drain", env=env)
+        assert two.wait() == 0, two.text()
+        tasks = [bus.get(t) for t in (first, huge, fits, waits)]
+    finally:
+        bus.close()
+
+    assert [t.status for t in tasks] == ["done", "failed", "done", "paused"]
+    assert "no usable model" in (tasks[1].last_error or "")
+    assert "more than the 2,000 per 60s gpt through oai/default" in (tasks[1].last_error or "")
+    assert mock_llm.statuses() == [200, 200]  # the huge one and the last were never sent
+    (slot,) = rows(db_url, sa.select(call_slots).where(call_slots.c.task_id == fits))
+    assert (slot["tokens_in"], slot["tokens_out"]) == (1000, 100)  # what the answer said
+    assert tasks[3].resume_after == pytest.approx(slot["admitted_at"] + 60)
