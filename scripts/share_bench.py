@@ -10,6 +10,11 @@ within about ``small / (rpm / 3)`` minutes of the window having room, not
 behind the flood. Printed: when each agent's tasks were done, counted from the
 small agents' arrival, and how many of the big agent's were done meanwhile.
 
+With ``--concurrency N`` the provider is limited to N calls in flight instead
+(no rpm), each call taking ``--latency-ms``: the small agents' fair share is a
+third of the slots each, so their tasks should be done within about
+``small * latency / (N / 3)``.
+
 Real ``worker`` and ``sweeper`` processes on the simulated provider, SQLite or
 PostgreSQL (``--backend``).
 """
@@ -39,7 +44,7 @@ CONFIG = """
 rpm_window_sec = {window}
 [providers.sim]
 kind = "simulated"
-rpm = {rpm}
+{limit}
 [agents.big]
 models = ["sim/a"]
 [agents.small1]
@@ -71,11 +76,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--window", type=float, default=60.0, help="rpm_window_sec")
     parser.add_argument("--head-start", type=float, default=5.0)
     parser.add_argument("--big-workers", type=int, default=8, help="worker processes of big")
+    parser.add_argument("--concurrency", type=int, default=0, help="slots instead of rpm")
+    parser.add_argument("--latency-ms", type=int, default=500, help="each call (--concurrency)")
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
+    slots = args.concurrency
+    limit = f"concurrency = {slots}" if slots else f"rpm = {args.rpm}"
+    payload = {"simulate": {"sim/a": {"latency_ms": args.latency_ms}}} if slots else {}
     with tempfile.TemporaryDirectory() as tmp, measure.agentbus_database(args.backend) as url:
         config = Path(tmp) / "agentbus.toml"
-        config.write_text(CONFIG.format(rpm=args.rpm, window=args.window))
+        config.write_text(CONFIG.format(limit=limit, window=args.window))
         env = {
             **os.environ,
             "AGENTBUS_CONFIG": str(config),
@@ -85,7 +95,9 @@ def main(argv: list[str]) -> int:
         db = Database(url)
         migrate(db)
         queue = TaskQueue(db)
-        queue.enqueue_many([TaskSpec(agent="big", command=f"big {i}") for i in range(args.big)])
+        queue.enqueue_many(
+            [TaskSpec(agent="big", command=f"big {i}", payload=payload) for i in range(args.big)]
+        )
         names = ["sweeper", "s1", "s2", *(f"big{n}" for n in range(args.big_workers))]
         logs = {name: open(Path(tmp) / f"{name}.log", "w") for name in names}  # noqa: SIM115
 
@@ -104,7 +116,7 @@ def main(argv: list[str]) -> int:
             arrived = time.time()
             queue.enqueue_many(
                 [
-                    TaskSpec(agent=agent, command=f"{agent} {i}")
+                    TaskSpec(agent=agent, command=f"{agent} {i}", payload=payload)
                     for agent in ("small1", "small2")
                     for i in range(args.small)
                 ]
@@ -126,13 +138,19 @@ def main(argv: list[str]) -> int:
             for log in logs.values():
                 log.close()
             db.dispose()
-    fair = args.small / (args.rpm / 3) * args.window
+    if slots:
+        fair = args.small * args.latency_ms / 1000 / (slots / 3)
+        said = f"concurrency {slots}, calls of {args.latency_ms} ms"
+        how = f"{args.small} x {args.latency_ms / 1000:g} s / ({slots} / 3)"
+    else:
+        fair = args.small / (args.rpm / 3) * args.window
+        said = f"rpm {args.rpm} per {args.window:g} s"
+        how = f"{args.small} / ({args.rpm} / 3)"
     print(
-        f"{args.backend}: rpm {args.rpm} per {args.window:g} s; big: {args.big} tasks, "
-        f"{args.big_workers} workers, {args.head_start:g} s ahead; two small agents: "
-        f"{args.small} tasks, 1 worker each"
+        f"{args.backend}: {said}; big: {args.big} tasks, {args.big_workers} workers, "
+        f"{args.head_start:g} s ahead; two small agents: {args.small} tasks, 1 worker each"
     )
-    print(f"fair-share time of a small agent: {args.small} / ({args.rpm} / 3) = {fair:.0f} s")
+    print(f"fair-share time of a small agent: {how} = {fair:.1f} s")
     print("seconds after the small agents' tasks came:")
     print(f"{'agent':<8}{'done':>6}{'first':>9}{'median':>9}{'last':>9}")
     for agent in ("small1", "small2", "big"):

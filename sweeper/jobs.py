@@ -87,13 +87,18 @@ def resume(s: Sweep) -> dict[str, int]:
         requests = _Requests(s, rows)
         chains = [_candidates(s, r) for r in rows]
         due = [_due(s, r, chain, requests) for r, chain in zip(rows, chains, strict=True)]
-        # Each candidate is asked once a pass, for the smallest call of its tasks here.
+        # Each candidate is asked once a pass per agent, for the smallest call of the
+        # agent's tasks here.
         for r, chain in zip(rows, chains, strict=True):
             for candidate in chain or ():
                 key = (r.agent, candidate.key)
                 if key not in blocked and key not in seen:
                     seen.add(key)
-                    sizes = [d.needs[candidate.key] for d in due if candidate.key in d.needs]
+                    sizes = [
+                        d.needs[candidate.key]
+                        for d in due
+                        if d.agent == r.agent and candidate.key in d.needs
+                    ]
                     need = min(sizes, key=lambda n: n.input + n.output) if sizes else None
                     answer = s.admission.peek(candidate, agent=r.agent, need=need)
                     if isinstance(answer, Refusal):
