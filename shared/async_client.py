@@ -75,6 +75,12 @@ class AsyncAgentBus:
     async def retry(self, task_id: int) -> None:
         await asyncio.to_thread(self.sync.retry, task_id)
 
+    async def pause_agent(self, agent: str, *, reason: str | None = None) -> bool:
+        return await asyncio.to_thread(self.sync.pause_agent, agent, reason=reason)
+
+    async def resume_agent(self, agent: str) -> bool:
+        return await asyncio.to_thread(self.sync.resume_agent, agent)
+
     async def wait(self, task_id: int, *, timeout: float | None = None) -> Task:
         return (await self.wait_many([task_id], timeout=timeout))[0]
 

@@ -319,6 +319,27 @@ class AgentBus:
         """A failed, errored or cancelled task back to the queue with fresh attempts."""
         self.queue.retry(checked_id(task_id), by=self.by)
 
+    # -- steering agents ---------------------------------------------------------
+
+    def pause_agent(self, agent: str, *, reason: str | None = None) -> bool:
+        """Put a hold on ``agent``'s queue: no worker anywhere claims its tasks until
+        ``resume_agent`` (calls already running finish; its tasks stay queued, which is
+        not the task state ``paused``). False: it was held already. UnknownAgent when
+        neither the config nor a task or worker names it."""
+        from agentbus.queue import holds
+
+        return holds.hold(self.db, agent, reason, self.by, self.queue.clock(), self._agents())
+
+    def resume_agent(self, agent: str) -> bool:
+        """Lift the hold on ``agent``'s queue; its idle workers claim at once. False: it
+        was not held."""
+        from agentbus.queue import holds
+
+        return holds.lift(self.db, agent, self.by, self.queue.clock(), self._agents())
+
+    def _agents(self) -> frozenset[str]:
+        return frozenset(self.catalog.agents) if self.catalog is not None else frozenset()
+
     # -- waiting ---------------------------------------------------------------
 
     def wait(self, task_id: int, *, timeout: float | None = None) -> Task:

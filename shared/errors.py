@@ -31,6 +31,10 @@ class InvalidTask(BusError):
     """The task is invalid."""
 
 
+class UnknownAgent(BusError):
+    """No agent by that name: neither the config, nor a task, nor a worker names it."""
+
+
 class WaitTimeout(BusError, TimeoutError):
     """The task did not finish in time (it is still on the queue)."""
 

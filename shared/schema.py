@@ -201,6 +201,18 @@ workers = sa.Table(
     sa.Column("clock_offset", Float()),  # the database's clock minus this host's, seconds
 )
 
+#: The agents whose queue an operator put on hold (``busctl agents pause``): no worker
+#: anywhere claims their tasks while their row is here; calls already running finish.
+#: Not the task state ``paused`` (a task waiting for a model to be usable).
+agent_holds = sa.Table(
+    "agent_holds",
+    metadata,
+    sa.Column("agent", Text, primary_key=True),
+    sa.Column("reason", Text),
+    sa.Column("held_by", Text, nullable=False),
+    sa.Column("held_at", Epoch, nullable=False),
+)
+
 #: One row per model a worker considered for a task: skipped because it was
 #: cooling down, or called (with the outcome). The routing history; KPIs 1, 3
 #: and 4 are computed from it.

@@ -15,6 +15,7 @@ import click
 
 from agentbus import cli
 from agentbus.admin import render
+from agentbus.admin.agents_cli import agents_group
 from agentbus.admin.budget_cli import budget_group
 from agentbus.admin.context import Context, pass_ctx
 from agentbus.admin.control import cancel_cmd, cooldowns_group, resume_cmd
@@ -158,7 +159,7 @@ def status_cmd(c: Context, as_json: bool) -> None:
 
 
 busctl.add_command(budget_group)
-for _command in (cancel_cmd, resume_cmd, cooldowns_group, serve_cmd):
+for _command in (cancel_cmd, resume_cmd, cooldowns_group, agents_group, serve_cmd):
     busctl.add_command(_command)
 
 

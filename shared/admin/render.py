@@ -18,6 +18,11 @@ def status(doc: dict[str, Any], settings: Settings) -> str:
     rows = [[a, *(doc["queue"][a].get(st, 0) for st in statuses)] for a in agents]
     rows.append(["(all)", *(doc["totals"].get(st, 0) for st in statuses)])
     out.append(cli.table(["agent", *statuses], rows))
+    for h in doc.get("holds", []):  # before anything else: why an agent's tasks wait
+        why = f": {h['reason']}" if h["reason"] else ""
+        out.append(
+            f"agent {h['agent']} on hold since {cli.fmt_time(h['held_at'])} by {h['held_by']}{why}"
+        )
     used = doc["usage_today"]
     tokens = sum(u["tokens"] for u in used)
     cost = sum(u["cost"] for u in used)

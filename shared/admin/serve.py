@@ -121,6 +121,14 @@ class SnapshotCollector(Collector):
             ),
             doc["live_workers"],
         )
+        yield _labelled(
+            GaugeMetricFamily(
+                "agentbus_agent_on_hold",
+                "1 per agent whose queue an operator put on hold (busctl agents pause).",
+                labels=["agent"],
+            ),
+            {h["agent"]: 1 for h in doc["holds"]},
+        )
         tokens = CounterMetricFamily("agentbus_tokens", "Tokens used, per model.", labels=["model"])
         cost = CounterMetricFamily(
             "agentbus_cost", "Cost of the calls, per model.", labels=["model"]

@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.sql.dml import Update
 
 from agentbus.queue.decisions import Complete, Crash, Decision, Fail, Pause, Release, Requeue
+from agentbus.queue.holds import NOT_HELD
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.schema import bus_commands as t
 from agentbus.schema import route_log, task_events
@@ -244,12 +245,12 @@ CANCEL = (
 #: Is a task of ``p_agent`` due? (an idle SQLite worker's cheap look: a read, no lock)
 HAS_DUE = (
     sa.select(t.c.id)
-    .where(in_state(TaskStatus.QUEUED), t.c.agent == P_AGENT, t.c.run_after <= P_NOW)
+    .where(in_state(TaskStatus.QUEUED), t.c.agent == P_AGENT, t.c.run_after <= P_NOW, NOT_HELD)
     .limit(1)
 )
-#: When the earliest queued task of ``p_agent`` is due (NULL: none is queued).
+#: When the earliest queued task of ``p_agent`` is due (NULL: none is, or it is held).
 NEXT_DUE = sa.select(sa.func.min(t.c.run_after)).where(
-    in_state(TaskStatus.QUEUED), t.c.agent == P_AGENT
+    in_state(TaskStatus.QUEUED), t.c.agent == P_AGENT, NOT_HELD
 )
 
 
@@ -257,12 +258,12 @@ NEXT_DUE = sa.select(sa.func.min(t.c.run_after)).where(
 def claim_statement(dialect: str, *, single: bool = False, limit: int | None = None) -> Update:
     """Claim up to ``p_limit`` due queued tasks of ``p_agent`` in one statement (``single``:
     one task, ``p_limit`` not read; ``limit``: up to that many, written in the statement,
-    ``p_limit`` not read): by priority, then by when each came due, then by age.
-    Read in the order of the queued tasks' index, the first entry of a priority that is not
-    due ends that priority's due ones: tasks queued for later are never read past."""
+    ``p_limit`` not read), none while the agent is held: by priority, due time, age. Read
+    in the queued tasks' index order, a priority's first entry not due ends its due ones."""
     picked = (
         sa.select(t.c.id)
         .where(in_state(_source("claim")), t.c.agent == P_AGENT, t.c.run_after <= P_NOW)
+        .where(NOT_HELD)
         .order_by(t.c.priority.desc(), t.c.run_after, t.c.id)
         .limit(1 if single else P_LIMIT if limit is None else limit)
     )
