@@ -123,6 +123,9 @@ def settings() -> Settings:
     return Settings()
 
 
+# Some 60 examples of thirteen busctl commands each, a sweep and a scrape: ~30 s on a
+# quiet machine, minutes on a loaded one. The timeout guards against a hang, not speed.
+@pytest.mark.timeout(600)
 def test_a_row_written_by_hand_crashes_no_reader(
     db: Database, db_url: str, settings: Settings
 ) -> None:
