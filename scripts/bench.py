@@ -327,9 +327,9 @@ def bench_backend(url: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     rows += bench_mcp(url, args.admissions)
     rows += bench_workers(url, args.sqlite_synchronous, args.tasks // 2)
     rows += bench_sweeper(url, args.sqlite_synchronous, [int(n) for n in args.paused.split(",")])
-    rows += latency.resume(url, args.sqlite_synchronous)
-    rows += latency.wakeup(url, args.sqlite_synchronous)
-    rows += latency.wait(url, args.sqlite_synchronous)
+    rows += latency.resume(url, args.sqlite_synchronous, args.latency_tasks)
+    rows += latency.wakeup(url, args.sqlite_synchronous, args.latency_tasks)
+    rows += latency.wait(url, args.sqlite_synchronous, args.latency_tasks)
     rows += bench_fleet_admission(url)
     rows += counting.rows(url)
     if args.concurrency_tasks:
@@ -384,6 +384,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,10", help="claim batch sizes")
     parser.add_argument("--paused", default="10000,100000", help="paused tasks per sweep pass")
     parser.add_argument("--admissions", type=int, default=1000, help="admissions timed")
+    parser.add_argument(
+        "--latency-tasks", type=int, default=20, help="tasks per latency figure (each waits)"
+    )
     parser.add_argument("--sqlite-synchronous", default="FULL")
     parser.add_argument(
         "--concurrency-tasks", type=int, default=200, help="tasks of 2 s per run (0 skips)"
@@ -427,7 +430,11 @@ def main() -> None:
                 if backend == "pgbouncer":  # beside the same database reached directly
                     direct = sa.make_url(PG_URL).set(database=sa.make_url(url).database)
                     pooled = pooler_bench.rows(
-                        url, direct.render_as_string(False), args.tasks // 2, args.idle_sec
+                        url,
+                        direct.render_as_string(False),
+                        args.tasks // 2,
+                        args.idle_sec,
+                        args.latency_tasks,
                     )
                     rows += [(backend, *row) for row in pooled]
                 else:

@@ -30,7 +30,9 @@ def start(server_url: str) -> PgBouncer:
     return PgBouncer(server_url).start()
 
 
-def rows(pooled: str, direct: str, tasks: int, idle_sec: float) -> list[tuple[str, str]]:
+def rows(
+    pooled: str, direct: str, tasks: int, idle_sec: float, latency_tasks: int = 20
+) -> list[tuple[str, str]]:
     out = []
     for batch in (1, 10):
         # Alternate, so that neither side has the quieter minute.
@@ -47,7 +49,7 @@ def rows(pooled: str, direct: str, tasks: int, idle_sec: float) -> list[tuple[st
             )
         )
     for label, env in (("polling", {}), ("listen_url", {"AGENTBUS_LISTEN_URL": direct})):
-        ((what, figure),) = latency.wakeup(pooled, "FULL", env=env)
+        ((what, figure),) = latency.wakeup(pooled, "FULL", latency_tasks, env=env)
         out.append((f"through PgBouncer, {label}: {what}", figure))
     out.append(idle_statements(pooled, idle_sec))
     return out
