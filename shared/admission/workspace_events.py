@@ -3,7 +3,8 @@ people and dashboards. Written in the transaction of the change it describes, an
 mirrored to the structured log.
 
 Kinds: ``budget_warning``, ``refused_batch`` (the client budget), ``circuit_open``,
-``circuit_half_open``, ``circuit_closed``, ``cooldown_set``, ``cooldown_expired``.
+``circuit_half_open``, ``circuit_closed``, ``cooldown_set``, ``cooldown_expired``,
+``agent_held``, ``agent_hold_lifted`` (``agentbus.queue.holds``).
 Task pauses, resumes and demotions live in ``task_events``; ``recent`` merges them
 in as ``paused``, ``resumed`` and ``demoted``.
 """
