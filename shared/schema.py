@@ -201,9 +201,8 @@ workers = sa.Table(
     sa.Column("clock_offset", Float()),  # the database's clock minus this host's, seconds
 )
 
-#: The agents whose queue an operator put on hold (``busctl agents pause``): no worker
-#: anywhere claims their tasks while their row is here; calls already running finish.
-#: Not the task state ``paused`` (a task waiting for a model to be usable).
+#: Agents whose queue an operator holds (``busctl agents pause``): no worker claims their
+#: tasks while their row is here. Not the task state ``paused``.
 agent_holds = sa.Table(
     "agent_holds",
     metadata,
@@ -213,9 +212,8 @@ agent_holds = sa.Table(
     sa.Column("held_at", Epoch, nullable=False),
 )
 
-#: One row per model a worker considered for a task: skipped because it was
-#: cooling down, or called (with the outcome). The routing history; KPIs 1, 3
-#: and 4 are computed from it.
+#: One row per model a worker considered for a task: skipped because it was cooling
+#: down, or called (with the outcome). The routing history; KPIs 1, 3 and 4 read it.
 route_log = sa.Table(
     "route_log",
     metadata,

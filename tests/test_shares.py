@@ -68,9 +68,12 @@ models = ["sim/m"]
 """
 
 
-def admission(db: Database, clock: FakeClock, tmp_path: Path, extra: str = "") -> Admission:
+def admission(
+    db: Database, clock: FakeClock, tmp_path: Path, extra: str = "", *, text: str | None = None
+) -> Admission:
+    """An admission on CONFIG with ``extra`` keys of the small agent (or on ``text``)."""
     path = tmp_path / "agentbus.toml"
-    path.write_text(CONFIG.format(extra=extra))
+    path.write_text(CONFIG.format(extra=extra) if text is None else text)
     return Admission(
         db,
         load_config(path, environ={}),
@@ -212,17 +215,8 @@ def test_status_metrics_and_busctl_show_the_windows_and_the_shares(
 def test_the_provider_s_slots_are_shared_out_while_an_agent_waits_for_one(
     db: Database, clock: FakeClock, tmp_path: Path
 ) -> None:
-    path = tmp_path / "agentbus.toml"
-    path.write_text(CONFIG.format(extra="").replace("rpm = 6", "concurrency = 4"))
-    adm = Admission(
-        db,
-        load_config(path, environ={}),
-        worker="w1",
-        cooldowns=CooldownStore(db, clock=clock, cache_sec=1e-9),
-        environ={},
-        clock=clock,
-        cache_sec=1e-9,
-    )
+    slots = CONFIG.format(extra="").replace("rpm = 6", "concurrency = 4")
+    adm = admission(db, clock, tmp_path, text=slots)
     (c,) = adm.resolve(models=None, role=None, agent="big").candidates
 
     def take(agent: str) -> Permit | Refusal:
@@ -279,17 +273,9 @@ def test_a_model_s_own_token_window_is_shared_out_too(
 ) -> None:
     """A provider that limits tokens per model: the agents that call the model share its
     window through the account as they share the account's."""
-    path = tmp_path / "agentbus.toml"
     model = '[models."sim/m"]\nprovider = "sim"\ntpm = 300\n'
-    path.write_text(CONFIG.format(extra="").replace("rpm = 6", "") + model)
-    adm = Admission(
-        db,
-        load_config(path, environ={}),
-        worker="w1",
-        cooldowns=CooldownStore(db, clock=clock, cache_sec=1e-9),
-        environ={},
-        clock=clock,
-        cache_sec=1e-9,
+    adm = admission(
+        db, clock, tmp_path, text=CONFIG.format(extra="").replace("rpm = 6", "") + model
     )
     (c,) = adm.resolve(models=None, role=None, agent="big").candidates
     start = clock.now
