@@ -44,7 +44,7 @@ from agentbus.db import Database
 from agentbus.errors import ConfigError, InvalidTask, TaskNotFound, WaitTimeout
 from agentbus.queue import TaskQueue, reads, wakeups
 from agentbus.queue.states import TERMINAL, TaskStatus
-from agentbus.queue.tasks import Task, TaskSpec
+from agentbus.queue.tasks import Task, TaskSpec, deadline_epoch
 from agentbus.schema import bus_commands
 
 if TYPE_CHECKING:
@@ -65,6 +65,8 @@ ITEM_KEYS = frozenset(
         "run_at",
         "max_attempts",
         "key",
+        "deadline",
+        "expires_in_sec",
     }
 )
 
@@ -209,11 +211,15 @@ class AgentBus:
         run_at: datetime | None = None,
         max_attempts: int | None = None,
         key: str | None = None,
+        deadline: datetime | None = None,
+        expires_in_sec: float | None = None,
         connection: Connection | None = None,
     ) -> int:
         """Queue a task and return its id (an existing task's id for a known ``key``).
 
-        ``run_at`` (an aware datetime) or ``delay_sec`` put it off. With
+        ``run_at`` (an aware datetime) or ``delay_sec`` put it off. A task not
+        started by ``deadline`` (an aware datetime), or ``expires_in_sec`` after
+        now, is never started: it ends ``cancelled``, the reason ``deadline``. With
         ``connection`` the task is written through that SQLAlchemy connection in
         its transaction: it exists if and when the caller commits.
         """
@@ -228,6 +234,8 @@ class AgentBus:
             "run_at": run_at,
             "max_attempts": max_attempts,
             "key": key,
+            "deadline": deadline,
+            "expires_in_sec": expires_in_sec,
         }
         return self.enqueue_many([item], connection=connection)[0]
 
@@ -278,6 +286,8 @@ class AgentBus:
             delay_sec=0.0 if delay is None else delay,
             max_attempts=item.get("max_attempts"),
             key=item.get("key"),
+            deadline=None if item.get("deadline") is None else deadline_epoch(item["deadline"]),
+            expires_in_sec=item.get("expires_in_sec"),
         )
         try:
             check_task(self.catalog, agent=spec.agent, models=spec.models, role=spec.role)

@@ -59,6 +59,7 @@ bus_commands = sa.Table(
     sa.Column("paused_at", Epoch),
     # A completed task's answer besides its text: model, finish_reason, tool_calls, usage.
     sa.Column("result_detail", LenientJSON),
+    sa.Column("expires_at", Epoch),  # the deadline: not started by then, never started
     sa.CheckConstraint(STATUS_CHECK, name="ck_bus_commands_status"),
     sqlite_autoincrement=True,
 )
@@ -99,6 +100,9 @@ sa.Index(
     bus_commands.c.updated_at,
     sqlite_where=sa.text("status = 'cancelled'"),
 )
+#: The waiting tasks with a deadline, which the sweeper watches (``agentbus.queue.deadlines``).
+WITH_DEADLINE = "expires_at IS NOT NULL AND (status = 'queued' OR status = 'paused')"
+sa.Index("ix_bus_commands_deadline", bus_commands.c.expires_at, sqlite_where=sa.text(WITH_DEADLINE))
 # An idempotency key names one task; the tasks without one are not in the index, so an
 # enqueue without a key writes no page of it.
 sa.Index(
@@ -365,10 +369,8 @@ account_state = sa.Table(
     sa.Column("unusable_since", Epoch, nullable=False),
 )
 
-#: The token windows a model's answers through an account announce
-#: (``x-ratelimit-limit-tokens``, Anthropic's input and output limits): the size of
-#: that model's window where the config sets none, shared by every process. Written
-#: through ``accounts.learn``.
+#: The token windows a model's answers through an account announce (``x-ratelimit-…``
+#: headers): its window's size where the config sets none (``accounts.learn``).
 account_limits = sa.Table(
     "account_limits",
     metadata,
@@ -444,10 +446,9 @@ workspace_settings = sa.Table(
     sa.Column("updated_by", Text),
 )
 
-#: Counters that never go backwards (retention deletes the rows they count, not the
-#: count): kept by triggers in the transaction of each change (migration 0012).
-#: ``name`` is the metric (pauses, resumes, demotions, task_ends, admission_refusals),
-#: ``label`` its one label's value ('' when it has none).
+#: Counters that never go backwards, kept by triggers in each change's transaction
+#: (0012, 0027): ``name`` the metric (pauses, resumes, demotions, task_ends, expiries,
+#: admission_refusals), ``label`` its one label's value ('' when it has none).
 bus_counters = sa.Table(
     "bus_counters",
     metadata,
@@ -469,10 +470,9 @@ task_counts = sa.Table(
     sa.Column("n", BigInteger, nullable=False, server_default="0"),
 )
 
-#: Histograms and counters that processes observe in memory and add here every few
-#: seconds (``agentbus.process_metrics``): a call's latency, a task's run, a sweeper
-#: pass. ``labels`` is the label set as ``k=v,k=v``; ``le`` a bucket's upper bound,
-#: or ``sum`` / ``count``. Rows are only ever added to.
+#: Histograms and counters processes observe in memory and add here every few seconds
+#: (``agentbus.process_metrics``): ``labels`` as ``k=v,k=v``; ``le`` a bucket's upper
+#: bound, or ``sum`` / ``count``. Rows are only ever added to.
 bus_observations = sa.Table(
     "bus_observations",
     metadata,

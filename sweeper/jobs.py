@@ -120,6 +120,9 @@ def resume(s: Sweep) -> dict[str, int]:
         # What these resumes take is gone for the next batch.
         room, free = plan.room_left, plan.tokens_left
         agents = {d.id: d for d in due}
+        ended = _past_deadline(s, rows, plan.postpone, plan.hold)
+        if ended:  # counted where a pass counts the tasks a deadline ended
+            counts["expired"] = counts.get("expired", 0) + ended
         for task_id in s.queue.resume(plan.resume):
             log.info(
                 f"[cooldown-resume] task_id={task_id} agent={agents[task_id].agent} → re-queued"
@@ -142,6 +145,38 @@ def resume(s: Sweep) -> dict[str, int]:
         if len(rows) < batch:
             break
     return counts
+
+
+def _past_deadline(s: Sweep, rows: list[DuePause], *waits: dict[int, float]) -> int:
+    """End the tasks that would wait until their deadline or after it (taken out of
+    ``waits``, the new resume times): they would never start in time."""
+    late = {
+        r.id: at
+        for r in rows
+        if r.expires_at is not None
+        for wait in waits
+        if (at := wait.get(r.id)) is not None and at >= r.expires_at
+    }
+    ended = s.queue.lapse(late)
+    for wait in waits:
+        for task_id in late:
+            wait.pop(task_id, None)
+    for task_id in ended:
+        log.info("task_expired", task_id=task_id, reason="its resume would come after its deadline")
+    return len(ended)
+
+
+def expire(s: Sweep) -> dict[str, int]:
+    """End the queued and paused tasks whose deadline has passed (never started)."""
+    total = 0
+    for _ in range(MAX_ROUNDS):
+        ended = s.queue.lapse_due(s.settings.sweep_batch)
+        for task_id in ended:
+            log.info("task_expired", task_id=task_id, reason="its deadline passed")
+        total += len(ended)
+        if len(ended) < s.settings.sweep_batch:
+            break
+    return {"expired": total}
 
 
 class _Requests:
@@ -183,8 +218,9 @@ def _candidates(s: Sweep, task: DuePause) -> tuple[Candidate, ...] | None:
 
 
 def next_wake(s: Sweep) -> float | None:
-    """The earliest pending resume_after, or None when nothing is paused."""
-    return s.queue.next_resume_at()
+    """The earliest pending resume_after or deadline, or None when there is neither."""
+    times = [at for at in (s.queue.next_resume_at(), s.queue.next_deadline()) if at is not None]
+    return min(times, default=None)
 
 
 def purge(s: Sweep) -> dict[str, int]:
@@ -274,9 +310,10 @@ def prune(s: Sweep) -> dict[str, int]:
 
 
 #: The order of a full pass: malformed rows first (no other job can read them right),
-#: rescue before pruning workers (inside ``rescue``), resume before demote (a task due
-#: now is resumed, not failed).
-ALL = (malformed, rescue, resume, demote, purge, prune)
+#: rescue before pruning workers (inside ``rescue``), expire before resume (a task past
+#: its deadline is not resumed), resume before demote (a task due now is resumed, not
+#: failed).
+ALL = (malformed, rescue, expire, resume, demote, purge, prune)
 
 
 def _iso(epoch: float) -> str:

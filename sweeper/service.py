@@ -58,7 +58,8 @@ def run_once(sweep: jobs.Sweep) -> dict[str, int]:
     for job in jobs.ALL:
         began = time.monotonic()
         try:
-            counts.update(job(sweep))
+            for key, n in job(sweep).items():  # two jobs may count one thing (expired)
+                counts[key] = counts.get(key, 0) + n
         except Exception as exc:
             counts["failed_jobs"] += 1
             OBSERVED.count("agentbus_sweep_job_failures", {"job": job.__name__})
@@ -145,7 +146,9 @@ class SweeperService:
 
     def _wake(self) -> None:
         self._wake_at = None
-        counts = jobs.resume(self.sweep)
+        counts = jobs.expire(self.sweep)
+        for key, n in jobs.resume(self.sweep).items():
+            counts[key] = counts.get(key, 0) + n
         if any(counts.values()):
             log.info("wake_pass", **counts)
         self._schedule_wake()

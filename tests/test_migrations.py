@@ -18,7 +18,8 @@ from agentbus.db.compiled import prepared
 from agentbus.errors import NotMigrated
 from agentbus.migrations import HEAD, downgrade, head_revision, migrate
 from agentbus.queue import TaskQueue
-from agentbus.queue.statements import ENQUEUE_ONE, INSERT_EVENT, SETTLE, claim_statement
+from agentbus.queue.inserts import ENQUEUE_ONE, INSERT_EVENT
+from agentbus.queue.statements import SETTLE, claim_statement
 from agentbus.queue.states import TaskStatus
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import metadata

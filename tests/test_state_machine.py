@@ -23,7 +23,17 @@ from agentbus.queue.tasks import TaskSpec
 from tests.support import FakeClock
 
 S = TaskStatus
-ACTIONS = ["complete", "fail", "error", "pause", "release", "requeue", "rescue", "rescue_fail"]
+ACTIONS = [
+    "complete",
+    "fail",
+    "error",
+    "pause",
+    "release",
+    "requeue",
+    "rescue",
+    "rescue_fail",
+    "expire",
+]
 
 
 def test_transition_table_is_spec_section_2() -> None:
@@ -102,6 +112,7 @@ def make_machine(queue: TaskQueue, clock: FakeClock) -> type[RuleBasedStateMachi
                 "requeue": lambda: queue.requeue(self.task_id, token, clock.now, "500"),
                 "rescue": lambda: queue.rescue(self.task_id, token),
                 "rescue_fail": lambda: queue.rescue(self.task_id, token, poison="x"),
+                "expire": lambda: queue.expire(self.task_id, token, "deadline: passed"),
             }
             if action.startswith("rescue"):
                 clock.advance(31)  # only an expired lease may be rescued

@@ -37,7 +37,16 @@ from agentbus.logging import get_logger
 from agentbus.process_metrics import Observations
 from agentbus.providers import Providers
 from agentbus.queue import TaskQueue
-from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
+from agentbus.queue.decisions import (
+    Complete,
+    Crash,
+    Expire,
+    Fail,
+    Pause,
+    Release,
+    Requeue,
+    Settlement,
+)
 from agentbus.queue.tasks import Task
 from agentbus.queue.workers import WorkerRegistry, new_worker_id
 from agentbus.worker import policy
@@ -383,6 +392,8 @@ class Worker:
             case Crash():
                 self.log.error("task_error", task_id=task.id, error=d.error)
                 self._record(failed=True, why=d.error)
+            case Expire():
+                self.log.info("task_expired", task_id=task.id, reason=d.reason)
 
     def _settle(self, task: Task, item: Settlement) -> bool:
         """Settle one claim; False (and a log line) when the claim was lost meanwhile."""

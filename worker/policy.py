@@ -10,17 +10,30 @@ from collections.abc import Mapping, Sequence
 
 from agentbus.config import Settings
 from agentbus.providers.outcomes import Failed
-from agentbus.queue.decisions import ALL_COOLING, ALL_REFUSED, Complete, Fail, Pause, Requeue
+from agentbus.queue import deadlines
+from agentbus.queue.decisions import (
+    ALL_COOLING,
+    ALL_REFUSED,
+    Complete,
+    Decision,
+    Expire,
+    Fail,
+    Pause,
+    Requeue,
+)
 
 __all__ = [
     "ALL_COOLING",
     "ALL_REFUSED",
     "Complete",
+    "Expire",
     "Fail",
     "Pause",
     "Requeue",
     "after_failure",
     "backoff_sec",
+    "by_deadline",
+    "expired",
     "when_no_candidate_left",
 ]
 
@@ -64,3 +77,24 @@ def backoff_sec(consecutive_failures: int, steps: Sequence[tuple[int, float]]) -
         if consecutive_failures >= failures:
             seconds = step
     return seconds
+
+
+def expired(expires_at: float | None, now: float) -> Expire | None:
+    """A claimed task whose deadline has come: it is never started."""
+    if expires_at is not None and expires_at <= now:
+        return Expire(deadlines.note(expires_at))
+    return None
+
+
+def by_deadline(decision: Decision, expires_at: float | None) -> Decision:
+    """A pause or a retry that would wait until the deadline or after it ends the task
+    now instead (the next try would not start in time)."""
+    if expires_at is None:
+        return decision
+    match decision:
+        case Pause(resume_after=at) | Requeue(run_after=at) if at >= expires_at:
+            waits = "resume" if isinstance(decision, Pause) else "retry"
+            return Expire(
+                f"{deadlines.note(expires_at)}: its {waits} would come at {deadlines.iso(at)}"
+            )
+    return decision

@@ -44,6 +44,7 @@ OUTCOMES = {
     policy.Pause: TaskStatus.PAUSED.value,
     policy.Requeue: "retry",
     Fail: TaskStatus.FAILED.value,
+    policy.Expire: TaskStatus.CANCELLED.value,
 }
 
 
@@ -111,6 +112,9 @@ class Runner:
     def _run(self, task: Task, gone: Callable[[], bool]) -> Run:
         if task.problem is not None:
             return Run(Fail(task.problem))
+        too_late = policy.expired(task.expires_at, self.clock())
+        if too_late is not None:
+            return Run(too_late)
         try:
             found = self.admission.resolve(models=task.models, role=task.role, agent=task.agent)
             self.providers.check(
@@ -119,7 +123,9 @@ class Runner:
         except (ConfigError, InvalidTask) as exc:
             return Run(Fail(exc.message))
         with self.admission.walk():
-            return self._walk(task, found.candidates, list(found.left_out), gone)
+            run = self._walk(task, found.candidates, list(found.left_out), gone)
+        run.decision = policy.by_deadline(run.decision, task.expires_at)
+        return run
 
     def _walk(
         self,

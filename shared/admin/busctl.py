@@ -76,6 +76,12 @@ def migrate_cmd(c: Context) -> None:
 @click.option("--run-after", type=float, default=0.0, metavar="SECONDS", help="Delay the task.")
 @click.option("--max-attempts", type=int, help="Attempts before failing [default: setting].")
 @click.option("--key", metavar="K", help="Idempotency key: enqueueing it again returns the task.")
+@click.option(
+    "--deadline",
+    metavar="ISO-TIME",
+    help="Not started by then (e.g. 2026-12-08T09:00:00Z): never started, cancelled.",
+)
+@click.option("--expires-in", type=float, metavar="SECONDS", help="A deadline this long after now.")
 @click.argument("text")
 @pass_ctx
 def enqueue_cmd(
@@ -88,6 +94,8 @@ def enqueue_cmd(
     run_after: float,
     max_attempts: int | None,
     key: str | None,
+    deadline: str | None,
+    expires_in: float | None,
     text: str,
 ) -> None:
     """Put a task on the queue and print its id. TEXT - reads the text from stdin.
@@ -97,7 +105,7 @@ def enqueue_cmd(
     agent, role or model it does not know is refused before anything is written.
     """
     from agentbus.admission.routing import check_task
-    from agentbus.queue.tasks import TaskSpec, parse_models, parse_payload
+    from agentbus.queue.tasks import TaskSpec, deadline_epoch, parse_models, parse_payload
 
     if models is not None and role is not None:
         raise click.UsageError("give --models or --role, not both")
@@ -115,6 +123,8 @@ def enqueue_cmd(
         delay_sec=run_after,
         max_attempts=max_attempts,
         key=key,
+        deadline=None if deadline is None else deadline_epoch(deadline),
+        expires_in_sec=expires_in,
     )
     result = c.queue().enqueue(spec)
     if not result.created:
@@ -217,6 +227,7 @@ def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
         "paused_at",
         "created_at",
         "updated_at",
+        "expires_at",
     }
     for name, value in task.as_dict().items():
         if name == "problem":

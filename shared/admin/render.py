@@ -23,6 +23,10 @@ def status(doc: dict[str, Any], settings: Settings) -> str:
         out.append(
             f"agent {h['agent']} on hold since {cli.fmt_time(h['held_at'])} by {h['held_by']}{why}"
         )
+    ended = doc.get("deadlines", {})
+    if ended.get("expired") or ended.get("next") is not None:
+        soon = f"; next deadline {cli.fmt_time(ended['next'])}" if ended.get("next") else ""
+        out.append(f"deadlines: {ended['expired']:,} tasks ended unstarted{soon}")
     used = doc["usage_today"]
     tokens = sum(u["tokens"] for u in used)
     cost = sum(u["cost"] for u in used)

@@ -87,6 +87,11 @@ class SnapshotCollector(Collector):
             ("agentbus_pauses", "pauses", "Task pauses (every candidate refused or cooling)."),
             ("agentbus_resumes", "resumes", "Paused tasks put back on the queue."),
             ("agentbus_demotions", "demotions", "Tasks failed after pausing too long."),
+            (
+                "agentbus_deadline_expiries",
+                "expiries",
+                "Tasks their deadline ended before they started (cancelled, reason deadline).",
+            ),
         ):
             yield CounterMetricFamily(name, what, value=sum(counted.get(key, {}).values()))
         yield CounterMetricFamily(

@@ -15,7 +15,7 @@ from agentbus.admission.cooldowns import CooldownStore
 from agentbus.catalog import Catalog
 from agentbus.config import Settings
 from agentbus.db import Database
-from agentbus.queue import events, holds, malformed, reads
+from agentbus.queue import deadlines, events, holds, malformed, reads
 from agentbus.queue.statements import in_state
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_commands as t
@@ -47,13 +47,14 @@ def snapshot(
     totals: dict[str, int] = {}
     for (status, _), n in counts.items():
         totals[status] = totals.get(status, 0) + n
-    doc, seen, bad, windows, held = db.read(
+    doc, seen, bad, windows, held, next_deadline = db.read(
         lambda conn: (
             _tables(conn, now),
             observe.observe(conn, now, settings.worker_stale_sec),
             malformed.summary(conn),
             shares.standing(conn, catalog, accounts.learnt(conn), settings.rpm_window_sec, now),
             holds.holds(conn),
+            conn.execute(deadlines.NEXT_DEADLINE).scalar(),
         )
     )
     cooling = CooldownStore(db, clock=lambda: now, cache_sec=1e-9).details()
@@ -68,6 +69,11 @@ def snapshot(
         "unserved": observe.unserved(queue, seen["live_workers"]),
         # agents whose queue an operator put on hold (busctl agents pause): who, why
         "holds": [h.as_dict() for h in held],
+        # tasks a deadline ended (ever: a counter), and the next deadline of a waiting task
+        "deadlines": {
+            "expired": seen["counters"].get("expiries", {}).get("", 0),
+            "next": next_deadline,
+        },
         # names the client budget refused, ever (a counter: retention leaves it)
         "budget_refused": seen["counters"].get("budget_refused", {}).get("", 0),
         "malformed": bad,

@@ -73,7 +73,14 @@ class Release:
     reason: str = "shutdown"
 
 
-Decision = Complete | Pause | Requeue | Fail | Crash | Release
+@dataclass(frozen=True, slots=True)
+class Expire:
+    """The task's deadline came (or its next try would come after it): never started."""
+
+    reason: str
+
+
+Decision = Complete | Pause | Requeue | Fail | Crash | Release | Expire
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,12 +16,23 @@ from agentbus import masking
 from agentbus.admission import usage
 from agentbus.admission.routing import Route
 from agentbus.queue import wakeups
-from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
+from agentbus.queue.decisions import (
+    Complete,
+    Crash,
+    Expire,
+    Fail,
+    Pause,
+    Release,
+    Requeue,
+    Settlement,
+)
 from agentbus.queue.statements import action_of
 from agentbus.queue.states import TERMINAL, TRANSITIONS
 from agentbus.schema import route_log, task_events
 
 _ENDS = frozenset(s.value for s in TERMINAL)
+#: The reason of the event of a task its deadline ended (never started).
+DEADLINE = "deadline"
 
 
 def storable(value: Any) -> Any:
@@ -109,6 +120,8 @@ def for_settlement(item: Settlement, worker: str | None, now: float) -> dict[str
             reason, detail = "error", {"error": error}
         case Release(reason=why):
             reason = why
+        case Expire(reason=why):
+            reason, detail = DEADLINE, {"why": why}
     (source,), target = TRANSITIONS[action_of(d)]
     return event(
         item.task_id,

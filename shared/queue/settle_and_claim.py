@@ -28,11 +28,10 @@ from agentbus.db import Database
 from agentbus.db.compiled import Prepared, prepared
 from agentbus.queue import events, wakeups
 from agentbus.queue.decisions import Complete, Settlement
+from agentbus.queue.inserts import INSERT_EVENT, INSERT_ROUTE
 from agentbus.queue.statements import (
     COMPLETE_MANY_POSTGRES,
     COMPLETE_ONE_POSTGRES,
-    INSERT_EVENT,
-    INSERT_ROUTE,
     P_NOW,
     P_WORKER,
     SETTLE,

@@ -19,11 +19,19 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.sql.dml import Update
 
-from agentbus.queue.decisions import Complete, Crash, Decision, Fail, Pause, Release, Requeue
+from agentbus.queue.decisions import (
+    Complete,
+    Crash,
+    Decision,
+    Expire,
+    Fail,
+    Pause,
+    Release,
+    Requeue,
+)
 from agentbus.queue.holds import NOT_HELD
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.schema import bus_commands as t
-from agentbus.schema import route_log, task_events
 
 
 def _p(name: str, type_: Any = sa.Text) -> Any:
@@ -105,6 +113,8 @@ _CLAIMED_CHANGES: dict[str, Mapping[str, Any]] = {
         "lease_until": _NULL,
         "claimed_by": _NULL,
     },
+    # Never started: no attempt spent, the reason said (``deadline: …``).
+    "expire": {"result_note": _p("p_note"), "lease_until": _NULL},
     "rescue": {"rescue_count": t.c.rescue_count + 1, "lease_until": _NULL, "claimed_by": _NULL},
     "rescue_fail": {
         "rescue_count": t.c.rescue_count + 1,
@@ -242,6 +252,22 @@ CANCEL = (
     .returning(t.c.id)
 )
 
+#: End the tasks among ``p_ids`` in ``p_source`` (queued or paused) whose deadline comes by
+#: ``p_by_then``, with the note ``p_note``, RETURNING their ids (the sweeper's lapse).
+LAPSE = (
+    sa.update(t)
+    .where(
+        t.c.id.in_(_IDS), t.c.status == _p("p_source"), t.c.expires_at <= _p("p_by_then", sa.Float)
+    )
+    .values(
+        status=_state(TRANSITIONS["lapse"][1]),
+        updated_at=P_NOW,
+        resume_after=_NULL,
+        result_note=_p("p_note"),
+    )
+    .returning(t.c.id)
+)
+
 #: Is a task of ``p_agent`` due? (an idle SQLite worker's cheap look: a read, no lock)
 HAS_DUE = (
     sa.select(t.c.id)
@@ -357,6 +383,8 @@ def action_of(decision: Decision) -> str:
             return "error"
         case Release():
             return "release"
+        case Expire():
+            return "expire"
 
 
 #: A result detail as stored (made once: ``json.dumps`` with options makes an encoder
@@ -386,115 +414,5 @@ def settle_params(decision: Decision) -> tuple[str, dict[str, Any]]:
             return "error", {"p_error": error}
         case Release():
             return "release", {}
-
-
-def insert_all(table: sa.Table) -> sa.Insert:
-    """INSERT of one row of ``table``: a bind parameter per column but the key ``id``."""
-    columns = [c for c in table.c if c.name != "id"]
-    return sa.insert(table).values({c.name: sa.bindparam(c.name, type_=c.type) for c in columns})
-
-
-#: One event row (``events.event``).
-INSERT_EVENT = insert_all(task_events)
-#: One routing row (``Route.row``).
-INSERT_ROUTE = insert_all(route_log)
-
-#: The columns an enqueue writes (``TaskQueue._row``).
-ENQUEUED_COLUMNS = (
-    "agent",
-    "command",
-    "payload",
-    "models",
-    "role",
-    "status",
-    "priority",
-    "run_after",
-    "max_attempts",
-    "idempotency_key",
-    "created_at",
-    "updated_at",
-)
-
-#: The columns an enqueue passes as JSON text (``TaskQueue.stored_row``).
-JSON_TEXT_COLUMNS = ("payload", "models")
-
-#: SQLite: insert one task (``p_<column>`` for each of ENQUEUED_COLUMNS; payload and models
-#: as JSON text). Its id is the cursor's ``lastrowid``: a RETURNING clause would buffer the
-#: row in a temporary table (~9 µs of an enqueue's CPU).
-ENQUEUE_ONE_BINDS = tuple((f"p_{c}", c) for c in ENQUEUED_COLUMNS)  # (bind name, column)
-ENQUEUE_ONE = sa.insert(t).values(
-    {
-        c: sa.bindparam(name, type_=sa.Text if c in JSON_TEXT_COLUMNS else t.c[c].type)
-        for name, c in ENQUEUE_ONE_BINDS
-    }
-)
-
-#: The per-task values of a PostgreSQL enqueue, with their types.
-ENQUEUE_ARRAYS: dict[str, Any] = {
-    "agent": sa.Text,
-    "command": sa.Text,
-    "payload": sa.Text,  # JSON text
-    "models": sa.Text,  # JSON text or NULL
-    "role": sa.Text,
-    "priority": sa.Integer,
-    "run_after": sa.Float,
-    "max_attempts": sa.Integer,
-}
-
-
-def _enqueue_postgres(*, single: bool) -> sa.Select[Any]:
-    """PostgreSQL: insert tasks, their enqueue events and the idle workers' wake-up in one
-    statement. Parameters: ``p_<name>`` for each ENQUEUE_ARRAYS entry (with ``single``
-    the task's value, else an array of the tasks' values, in order) and ``p_now``.
-    ``payload`` and ``models`` are JSON text (a payload's "\u0000" stays an escape:
-    PostgreSQL refuses it decoded). Returns the new ids in order."""
-    from agentbus.queue.wakeups import CHANNEL
-
-    order: tuple[Any, ...] = ()
-    if single:
-        given: Any = sa.select(
-            *(sa.bindparam(f"p_{n}", type_=e).label(n) for n, e in ENQUEUE_ARRAYS.items())
-        ).subquery("given")
-    else:  # an array per column, sent in binary
-        given = (
-            sa.func.unnest(
-                *(sa.bindparam(f"p_{n}", type_=sa.ARRAY(e)) for n, e in ENQUEUE_ARRAYS.items())
-            )
-            .table_valued(*ENQUEUE_ARRAYS, with_ordinality="n")
-            .render_derived(name="given")
-        )
-        order = (given.c.n,)  # ids are drawn in this order: RETURNING sorted by id keeps it
-    rows = sa.select(
-        given.c.agent,
-        given.c.command,
-        sa.cast(given.c.payload, sa.JSON),
-        sa.cast(given.c.models, sa.JSON),
-        given.c.role,
-        sa.literal(TaskStatus.QUEUED.value, sa.Text),
-        given.c.priority,
-        given.c.run_after,
-        given.c.max_attempts,
-        P_NOW,
-        P_NOW,
-    ).order_by(*order)
-    columns = [c for c in ENQUEUED_COLUMNS if c != "idempotency_key"]  # in the order above
-    new = sa.insert(t).from_select(columns, rows).returning(t.c.id, t.c.agent).cte("new")
-    event = (
-        sa.insert(task_events)
-        .from_select(
-            ["task_id", "to_status", "reason", "at"],
-            sa.select(
-                new.c.id,
-                sa.literal(TaskStatus.QUEUED.value, sa.Text),
-                sa.literal("enqueue", sa.Text),
-                P_NOW,
-            ),
-        )
-        .cte("event")
-    )
-    notified = sa.func.pg_notify(CHANNEL, new.c.agent).label("notified")
-    return sa.select(new.c.id, notified).add_cte(event).order_by(new.c.id)
-
-
-ENQUEUE_MANY_POSTGRES = _enqueue_postgres(single=False)
-ENQUEUE_ONE_POSTGRES = _enqueue_postgres(single=True)
+        case Expire(reason=reason):
+            return "expire", {"p_note": reason}

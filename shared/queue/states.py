@@ -50,6 +50,11 @@ TRANSITIONS: dict[str, tuple[frozenset[TaskStatus], TaskStatus]] = {
     # Operator or producer; a claimed task's worker finds its claim gone (its settle
     # and lease renewal match nothing) and abandons the call.
     "cancel": (frozenset({Q, P, C}), X),
+    # A task not started by its deadline is never started: the worker that claimed it
+    # (or whose next try would come after the deadline) ends it; the sweeper ends the
+    # ones still waiting.
+    "expire": (frozenset({C}), X),
+    "lapse": (frozenset({Q, P}), X),
 }
 
 LEGAL: frozenset[tuple[TaskStatus, TaskStatus]] = frozenset(

@@ -40,6 +40,7 @@ class DuePause:
     paused_at: float | None
     pause_model: str | None
     reentry_count: int
+    expires_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class SweepOps(GuardedQueue):
                 t.c.paused_at,
                 t.c.pause_model,
                 t.c.reentry_count,
+                t.c.expires_at,
             )
             .where(in_state(TaskStatus.PAUSED), t.c.resume_after <= self.clock())
             .order_by(t.c.resume_after)
@@ -79,6 +81,7 @@ class SweepOps(GuardedQueue):
                 r.paused_at,
                 r.pause_model,
                 r.reentry_count,
+                r.expires_at,
             )
             for r in rows
         ]

@@ -30,25 +30,30 @@ from agentbus.admission.routing import Route
 from agentbus.errors import TaskNotFound, TransitionRejected
 from agentbus.queue import events, reads, wakeups
 from agentbus.queue.by_hand import ByHandOps
-from agentbus.queue.decisions import Complete, Crash, Fail, Pause, Release, Requeue, Settlement
+from agentbus.queue.deadlines import DeadlineOps
+from agentbus.queue.decisions import (
+    Complete,
+    Crash,
+    Expire,
+    Fail,
+    Pause,
+    Release,
+    Requeue,
+    Settlement,
+)
 from agentbus.queue.guarded import Clock, text_safe
-from agentbus.queue.statements import (
+from agentbus.queue.inserts import (
     ENQUEUE_ARRAYS,
     ENQUEUE_MANY_POSTGRES,
     ENQUEUE_ONE,
     ENQUEUE_ONE_BINDS,
     ENQUEUE_ONE_POSTGRES,
-    HAS_DUE,
-    HEARTBEAT,
     INSERT_EVENT,
-    NEXT_DUE,
-    SETTLE,
-    action_of,
-    settle_params,
 )
+from agentbus.queue.statements import HAS_DUE, HEARTBEAT, NEXT_DUE, SETTLE, action_of, settle_params
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.queue.sweeps import SweepOps
-from agentbus.queue.tasks import Task, TaskSpec, check_payload
+from agentbus.queue.tasks import Task, TaskSpec, check_payload, expires_at
 from agentbus.schema import bus_commands as t
 from agentbus.schema import idempotency_keys as keys
 
@@ -70,7 +75,7 @@ class Enqueued:
     created: bool  # False: the idempotency key named an existing task
 
 
-class TaskQueue(SweepOps, ByHandOps):
+class TaskQueue(SweepOps, ByHandOps, DeadlineOps):
     """Queue operations over one database, with an injectable clock."""
 
     # -- producers -----------------------------------------------------------
@@ -168,6 +173,7 @@ class TaskQueue(SweepOps, ByHandOps):
             "run_after": now + spec.delay_sec,
             "max_attempts": spec.max_attempts or self.max_attempts,
             "idempotency_key": spec.key,
+            "expires_at": expires_at(spec, now),
             "created_at": now,
             "updated_at": now,
         }
@@ -348,6 +354,10 @@ class TaskQueue(SweepOps, ByHandOps):
         decision = Requeue(run_after, error)
         self._raise_lost(Settlement(task_id, token, decision, routes), worker)
 
+    def expire(self, task_id: int, token: int, reason: str, *, worker: str | None = None) -> None:
+        """Its deadline came before the task started: end it (cancelled), never run."""
+        self._raise_lost(Settlement(task_id, token, Expire(reason)), worker)
+
     def _raise_lost(self, item: Settlement, worker: str | None) -> None:
         """Settle one claim; raise its ``TransitionRejected`` when it was lost."""
         lost = self.settle([item], worker=worker)
@@ -383,6 +393,8 @@ class TaskQueue(SweepOps, ByHandOps):
                     lease_until=None,
                     claimed_by=None,
                     updated_at=now,
+                    # A deadline already past is dropped: the operator runs the task anyway.
+                    expires_at=sa.case((t.c.expires_at <= now, sa.null()), else_=t.c.expires_at),
                 )
             )
             if res.rowcount != 1:

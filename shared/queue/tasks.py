@@ -50,6 +50,10 @@ class TaskSpec:
     delay_sec: float = 0.0
     max_attempts: int | None = None
     key: str | None = None
+    # A task not started by then is never started: an epoch (``deadline``) or seconds
+    # from its enqueue (``expires_in_sec``), not both; the queue refuses one already past.
+    deadline: float | None = None
+    expires_in_sec: float | None = None
     # Measured once by validate(), for the limits the queue checks at enqueue.
     payload_depth: int = field(default=0, init=False, repr=False, compare=False)
     payload_bytes: int = field(default=0, init=False, repr=False, compare=False)
@@ -145,6 +149,48 @@ def validate(spec: TaskSpec) -> None:
         raise InvalidTask("max-attempts must be an integer from 1 to 1000")
     if spec.key is not None and (not isinstance(spec.key, str) or not 0 < len(spec.key) <= MAX_KEY):
         raise InvalidTask(f"the idempotency key must be a string of 1 to {MAX_KEY} characters")
+    _check_deadline(spec)
+
+
+def _shown(epoch: float) -> str:
+    try:
+        return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="seconds")
+    except (OverflowError, ValueError, OSError):
+        return f"{epoch:g}"
+
+
+def _finite(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _check_deadline(spec: TaskSpec) -> None:
+    if spec.deadline is not None and spec.expires_in_sec is not None:
+        raise InvalidTask("give a deadline or expires-in, not both")
+    if spec.deadline is not None and not _finite(spec.deadline):
+        raise InvalidTask("the deadline must be a finite time (epoch seconds)")
+    if spec.expires_in_sec is not None:
+        if not _finite(spec.expires_in_sec):
+            raise InvalidTask("expires-in must be a finite number of seconds")
+        if not 0 < spec.expires_in_sec <= MAX_DELAY_SEC:
+            raise InvalidTask(f"expires-in must be more than 0 and at most {MAX_DELAY_SEC:.0f} s")
+
+
+def expires_at(spec: TaskSpec, now: float) -> float | None:
+    """When a task enqueued ``now`` expires (None: never); InvalidTask when that is past,
+    or not after the moment it may first run."""
+    if spec.expires_in_sec is not None:
+        at = now + spec.expires_in_sec
+    elif spec.deadline is not None:
+        at = float(spec.deadline)
+    else:
+        return None
+    if at <= now:
+        raise InvalidTask(f"the deadline {_shown(at)} is in the past")
+    if at > now + MAX_DELAY_SEC:
+        raise InvalidTask("the deadline is more than ten years away")
+    if at <= now + spec.delay_sec:
+        raise InvalidTask("the deadline comes before the task may run (run-after)")
+    return at
 
 
 def check_payload(spec: TaskSpec, limits: PayloadLimits) -> None:
@@ -209,6 +255,25 @@ def parse_payload(text: str | None) -> dict[str, Any]:
     return value
 
 
+def deadline_epoch(value: object) -> float:
+    """A deadline as given to a producer (an aware datetime, or ISO 8601 text with a
+    zone such as ``2026-12-08T09:00:00Z``) as an epoch; InvalidTask for anything else."""
+    when = value
+    if isinstance(value, str):
+        try:
+            when = datetime.fromisoformat(value.strip())
+        except ValueError:
+            raise InvalidTask(f"the deadline {value!r} is not an ISO 8601 time") from None
+    if not isinstance(when, datetime):
+        raise InvalidTask(f"the deadline must be an aware datetime, not {type(value).__name__}")
+    if when.tzinfo is None or when.utcoffset() is None:
+        raise InvalidTask("the deadline needs a time zone (e.g. 2026-12-08T09:00:00Z)")
+    try:
+        return when.timestamp()
+    except (OverflowError, ValueError, OSError):
+        raise InvalidTask(f"the deadline is out of range: {value!r}") from None
+
+
 def parse_models(text: str) -> tuple[str, ...]:
     """Parse a comma-separated model chain."""
     return tuple(part.strip() for part in text.split(","))
@@ -248,6 +313,7 @@ class Task:
     last_error: str | None
     created_at: float | None
     updated_at: float | None
+    expires_at: float | None  # the deadline: not started by then, never started
 
     problem: str | None = None  # why this row cannot be run (set by from_row)
 
@@ -297,6 +363,10 @@ class Task:
     def resumes_after(self) -> datetime | None:
         return _utc(self.resume_after)
 
+    @property
+    def deadline(self) -> datetime | None:
+        return _utc(self.expires_at)
+
     def as_dict(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self.__dataclass_fields__}
         out["status"] = self.status.value
@@ -326,7 +396,15 @@ _COUNTS = (
     "reentry_count",
     "rescue_count",
 )
-_TIMES = ("lease_until", "resume_after", "first_paused_at", "paused_at", "created_at", "updated_at")
+_TIMES = (
+    "lease_until",
+    "resume_after",
+    "first_paused_at",
+    "paused_at",
+    "created_at",
+    "updated_at",
+    "expires_at",
+)
 #: The time a task in a state cannot do without.
 NEEDED = {
     TaskStatus.QUEUED: "run_after",
