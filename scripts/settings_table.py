@@ -17,7 +17,7 @@ Every setting comes from, in rising precedence: its default, the TOML file
 (`--config FILE`, `$AGENTBUS_CONFIG`, or `./agentbus.toml` if present; keys at
 the top level), the environment (`AGENTBUS_` + the name in capitals), and
 command-line flags. The tables of the file (`[providers]`, `[models]`,
-`[roles]`, `[agents]`, `[bulkheads]`, `[routing]`, `[mcp]`) are the catalog:
+`[roles]`, `[agents]`, `[bulkheads]`, `[routing]`, `[mcp]`, `[schedules]`) are the catalog:
 `busctl init` writes an example that shows every key.
 
 `AGENTBUS_CONFIG` names the config file; `AGENTBUS_SIM_JOURNAL` makes the

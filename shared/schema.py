@@ -57,19 +57,15 @@ bus_commands = sa.Table(
     sa.Column("created_at", Epoch),
     sa.Column("updated_at", Epoch),
     sa.Column("paused_at", Epoch),
-    # A completed task's answer besides its text: model, finish_reason, tool_calls, usage.
-    sa.Column("result_detail", LenientJSON),
+    sa.Column("result_detail", LenientJSON),  # model, finish_reason, tool_calls, usage
     sa.Column("expires_at", Epoch),  # the deadline: not started by then, never started
     sa.CheckConstraint(STATUS_CHECK, name="ck_bus_commands_status"),
     sqlite_autoincrement=True,
 )
 
-# Claiming reads the queued tasks of one agent in priority-then-age order;
-# the sweeper reads paused tasks by resume_after and claimed tasks by lease.
-# Partial indexes keep each of these a range scan over the rows that matter.
-# The migrations make them partial on PostgreSQL too (postgresql_where); only
-# SQLite's keyword is named here: naming PostgreSQL's makes SQLAlchemy load that
-# whole dialect (2.2 MB) in every SQLite worker.
+# Partial indexes keep the claim's, the sweeper's and retention's reads range scans over
+# the rows that matter. The migrations make them partial on PostgreSQL too; only SQLite's
+# keyword is named here (naming PostgreSQL's loads that dialect, 2.2 MB, in every worker).
 sa.Index(
     "ix_bus_commands_claim",
     bus_commands.c.agent,
@@ -103,8 +99,7 @@ sa.Index(
 #: The waiting tasks with a deadline, which the sweeper watches (``agentbus.queue.deadlines``).
 WITH_DEADLINE = "expires_at IS NOT NULL AND (status = 'queued' OR status = 'paused')"
 sa.Index("ix_bus_commands_deadline", bus_commands.c.expires_at, sqlite_where=sa.text(WITH_DEADLINE))
-# An idempotency key names one task; the tasks without one are not in the index, so an
-# enqueue without a key writes no page of it.
+# An idempotency key names one task; an enqueue without one writes no page of the index.
 sa.Index(
     "uq_bus_commands_idempotency_key",
     bus_commands.c.idempotency_key,
@@ -163,9 +158,8 @@ ops_todos = sa.Table(
     sqlite_autoincrement=True,
 )
 
-#: What ``busctl migrate`` found of the older system (agentbus.migrations.adoption):
-#: a table kept aside as ``kept_as`` and put back on downgrade, and for bus_commands
-#: the highest task id it held (retention leaves those tasks alone by default).
+#: What ``busctl migrate`` found of the older system (agentbus.migrations.adoption): a table
+#: kept aside as ``kept_as``, and the highest task id it held (retention leaves those).
 adopted_tables = sa.Table(
     "adopted_tables",
     metadata,
@@ -214,6 +208,16 @@ agent_holds = sa.Table(
     sa.Column("reason", Text),
     sa.Column("held_by", Text, nullable=False),
     sa.Column("held_at", Epoch, nullable=False),
+)
+
+#: When a sweeper first saw each schedule, and its last occurrence (agentbus.sweeper.schedules).
+schedule_runs = sa.Table(
+    "schedule_runs",
+    metadata,
+    sa.Column("name", Text, primary_key=True),
+    sa.Column("first_seen", Epoch, nullable=False),
+    sa.Column("last_at", Epoch),
+    sa.Column("last_task_id", BigInteger),
 )
 
 #: One row per model a worker considered for a task: skipped because it was cooling
@@ -457,10 +461,9 @@ bus_counters = sa.Table(
     sa.Column("value", BigInteger, nullable=False, server_default="0"),
 )
 
-#: The tasks of each agent in each state, kept by triggers on ``bus_commands`` in the
-#: transaction of every insert, change of state and delete (migration 0021): the sum of
-#: ``n`` over the shards. On PostgreSQL each server process counts into a shard of its
-#: own (its pid) and the sweeper adds those into shard 0 (``agentbus.queue.counts``).
+#: The tasks of each agent in each state (the sum of ``n`` over the shards), kept by triggers
+#: on ``bus_commands`` (0021); on PostgreSQL a shard per server process, which the sweeper
+#: adds into shard 0 (``agentbus.queue.counts``).
 task_counts = sa.Table(
     "task_counts",
     metadata,
@@ -482,12 +485,9 @@ bus_observations = sa.Table(
     sa.Column("value", sa.Float, nullable=False, server_default="0"),
 )
 
-#: Producers listening for settled tasks (``AgentBus.wait`` on PostgreSQL): each
-#: listening connection keeps its row while it listens (``until``, by the database's
-#: clock, renewed well before it passes). A settle sends ``NOTIFY agentbus_settled``
-#: only while some row is current: a notifying commit takes a lock every other
-#: notifying commit of the cluster waits for, so a fleet nobody waits on commits
-#: without it (``agentbus.queue.wakeups``).
+#: Producers listening for settled tasks (``AgentBus.wait`` on PostgreSQL), each row kept
+#: current while its connection listens: a settle notifies only then, as a notifying commit
+#: waits on every other one of the cluster (``agentbus.queue.wakeups``).
 settle_listeners = sa.Table(
     "settle_listeners",
     metadata,

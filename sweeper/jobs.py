@@ -28,6 +28,7 @@ from agentbus.queue import workers as worker_rows
 from agentbus.queue.decisions import ALL_REFUSED
 from agentbus.queue.sweeps import DuePause
 from agentbus.schema import bus_commands, model_cooldown, workers
+from agentbus.sweeper import schedules as timetable
 from agentbus.sweeper.policy import DueTask, plan_resume
 
 log = get_logger("agentbus.sweeper")
@@ -218,9 +219,16 @@ def _candidates(s: Sweep, task: DuePause) -> tuple[Candidate, ...] | None:
 
 
 def next_wake(s: Sweep) -> float | None:
-    """The earliest pending resume_after or deadline, or None when there is neither."""
-    times = [at for at in (s.queue.next_resume_at(), s.queue.next_deadline()) if at is not None]
-    return min(times, default=None)
+    """The earliest pending resume_after, deadline or schedule's occurrence, or None when
+    there is none."""
+    pending = (s.queue.next_resume_at(), s.queue.next_deadline(), timetable.next_at(s))
+    return min((at for at in pending if at is not None), default=None)
+
+
+def schedules(s: Sweep) -> dict[str, int]:
+    """Enqueue the schedules' due occurrences, each once (``agentbus.sweeper.schedules``)."""
+    s.config.refresh()
+    return timetable.enqueue_due(s)
 
 
 def purge(s: Sweep) -> dict[str, int]:
@@ -313,7 +321,7 @@ def prune(s: Sweep) -> dict[str, int]:
 #: rescue before pruning workers (inside ``rescue``), expire before resume (a task past
 #: its deadline is not resumed), resume before demote (a task due now is resumed, not
 #: failed).
-ALL = (malformed, rescue, expire, resume, demote, purge, prune)
+ALL = (malformed, rescue, expire, resume, schedules, demote, purge, prune)
 
 
 def _iso(epoch: float) -> str:

@@ -146,15 +146,17 @@ class SweeperService:
 
     def _wake(self) -> None:
         self._wake_at = None
-        counts = jobs.expire(self.sweep)
-        for key, n in jobs.resume(self.sweep).items():
-            counts[key] = counts.get(key, 0) + n
+        counts: dict[str, int] = {}
+        for job in (jobs.expire, jobs.resume, jobs.schedules):
+            for key, n in job(self.sweep).items():
+                counts[key] = counts.get(key, 0) + n
         if any(counts.values()):
             log.info("wake_pass", **counts)
         self._schedule_wake()
 
     def _schedule_wake(self) -> None:
-        """Keep the one-off wake job at the earliest pending resume_after."""
+        """Keep the one-off wake job at the earliest pending resume_after, deadline or
+        schedule's occurrence."""
         when = jobs.next_wake(self.sweep)
         if when == self._wake_at:
             return

@@ -19,6 +19,7 @@ from agentbus.admin.agents_cli import agents_group
 from agentbus.admin.budget_cli import budget_group
 from agentbus.admin.context import Context, pass_ctx
 from agentbus.admin.control import cancel_cmd, cooldowns_group, resume_cmd
+from agentbus.admin.schedules_cli import schedules_cmd
 from agentbus.admin.serve_cli import serve_cmd
 from agentbus.config import load_config
 from agentbus.errors import BusError, Problem
@@ -169,7 +170,7 @@ def status_cmd(c: Context, as_json: bool) -> None:
 
 
 busctl.add_command(budget_group)
-for _command in (cancel_cmd, resume_cmd, cooldowns_group, agents_group, serve_cmd):
+for _command in (cancel_cmd, resume_cmd, cooldowns_group, agents_group, schedules_cmd, serve_cmd):
     busctl.add_command(_command)
 
 

@@ -186,6 +186,8 @@ class Catalog:
     bulkheads: Mapping[str, int] = field(default_factory=dict)
     default_role: str | None = None  # what a task naming an unconfigured role runs as
     mcp: McpConfig = field(default_factory=McpConfig)
+    # name -> agentbus.catalog.schedules.ScheduleConfig: tasks the sweeper enqueues on time
+    schedules: Mapping[str, Any] = field(default_factory=dict)
 
     def knows(self, model: str) -> bool:
         return model.startswith(SIMULATED_PREFIX) or model in self.models

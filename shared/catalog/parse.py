@@ -30,7 +30,7 @@ from agentbus.providers import chat
 from agentbus.providers.outcomes import FAILURE_NAMES as OUTCOME_NAMES
 
 #: Tables of the config file that are the catalog, not settings.
-SECTIONS = ("providers", "models", "roles", "agents", "bulkheads", "routing", "mcp")
+SECTIONS = ("providers", "models", "roles", "agents", "bulkheads", "routing", "mcp", "schedules")
 #: The limits of one account's windows: calls, then tokens (all, input, output) per window.
 WINDOW_LIMITS = ("rpm", "tpm", "itpm", "otpm")
 #: A model's own token windows, per account of its provider (OpenAI limits per model).
@@ -96,7 +96,13 @@ def parse_catalog(doc: Mapping[str, Any]) -> Catalog:
         _no_loop(roles, name)
     agents = {name: _agent(catalog, roles, name, body) for name, body in _section(doc, "agents")}
     mcp = _mcp(doc.get("mcp", {}), bulkheads)
-    return Catalog(providers, models, roles, agents, bulkheads, default_role, mcp)
+    catalog = Catalog(providers, models, roles, agents, bulkheads, default_role, mcp)
+    timetable = _section(doc, "schedules")
+    if not timetable:
+        return catalog
+    from agentbus.catalog.schedules import parse_schedules  # APScheduler: only when needed
+
+    return replace(catalog, schedules=parse_schedules(timetable, catalog))
 
 
 #: The numbers of ``[mcp]``: how each is checked (counts are whole, at least 1 unless 0
