@@ -67,6 +67,7 @@ ITEM_KEYS = frozenset(
         "key",
         "deadline",
         "expires_in_sec",
+        "group",
     }
 )
 
@@ -213,13 +214,16 @@ class AgentBus:
         key: str | None = None,
         deadline: datetime | None = None,
         expires_in_sec: float | None = None,
+        group: str | None = None,
         connection: Connection | None = None,
     ) -> int:
         """Queue a task and return its id (an existing task's id for a known ``key``).
 
         ``run_at`` (an aware datetime) or ``delay_sec`` put it off. A task not
         started by ``deadline`` (an aware datetime), or ``expires_in_sec`` after
-        now, is never started: it ends ``cancelled``, the reason ``deadline``. With
+        now, is never started: it ends ``cancelled``, the reason ``deadline``. Tasks
+        of one ``group`` (a conversation) run at most the agent's ``group_concurrency``
+        at once, in enqueue order. With
         ``connection`` the task is written through that SQLAlchemy connection in
         its transaction: it exists if and when the caller commits.
         """
@@ -236,6 +240,7 @@ class AgentBus:
             "key": key,
             "deadline": deadline,
             "expires_in_sec": expires_in_sec,
+            "group": group,
         }
         return self.enqueue_many([item], connection=connection)[0]
 
@@ -288,6 +293,7 @@ class AgentBus:
             key=item.get("key"),
             deadline=None if item.get("deadline") is None else deadline_epoch(item["deadline"]),
             expires_in_sec=item.get("expires_in_sec"),
+            group=item.get("group"),
         )
         try:
             check_task(self.catalog, agent=spec.agent, models=spec.models, role=spec.role)

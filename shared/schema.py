@@ -19,8 +19,7 @@ metadata = sa.MetaData()
 BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 Epoch = Real()
 
-STATUS_VALUES = ", ".join(f"'{s.value}'" for s in TaskStatus)
-STATUS_CHECK = f"status IN ({STATUS_VALUES})"  # SQLite's table has it as equalities (0018)
+STATUS_CHECK = "status IN (" + ", ".join(f"'{s.value}'" for s in TaskStatus) + ")"  # 0018
 #: The rows of the idempotency keys' unique index: the tasks that have one.
 KEYED = sa.text("idempotency_key IS NOT NULL")
 
@@ -59,6 +58,7 @@ bus_commands = sa.Table(
     sa.Column("paused_at", Epoch),
     sa.Column("result_detail", LenientJSON),  # model, finish_reason, tool_calls, usage
     sa.Column("expires_at", Epoch),  # the deadline: not started by then, never started
+    sa.Column("group_key", Text),  # its group (a conversation): turns one at a time, in order
     sa.CheckConstraint(STATUS_CHECK, name="ck_bus_commands_status"),
     sqlite_autoincrement=True,
 )
@@ -96,11 +96,15 @@ sa.Index(
     bus_commands.c.updated_at,
     sqlite_where=sa.text("status = 'cancelled'"),
 )
+_WAITING = "status = 'queued' OR status = 'paused'"
 #: The waiting tasks with a deadline, which the sweeper watches (``agentbus.queue.deadlines``).
-WITH_DEADLINE = "expires_at IS NOT NULL AND (status = 'queued' OR status = 'paused')"
+WITH_DEADLINE = f"expires_at IS NOT NULL AND ({_WAITING})"
 sa.Index("ix_bus_commands_deadline", bus_commands.c.expires_at, sqlite_where=sa.text(WITH_DEADLINE))
-# An idempotency key names one task; an enqueue without one writes no page of the index.
-sa.Index(
+#: The unfinished tasks of each group, which a claim counts (agentbus.queue.groups).
+IN_GROUP = f"group_key IS NOT NULL AND ({_WAITING} OR status = 'claimed')"
+_group = (bus_commands.c.agent, bus_commands.c.group_key, bus_commands.c.id)
+sa.Index("ix_bus_commands_group", *_group, sqlite_where=sa.text(IN_GROUP))
+sa.Index(  # an enqueue without a key writes no page of it
     "uq_bus_commands_idempotency_key",
     bus_commands.c.idempotency_key,
     unique=True,
@@ -220,8 +224,7 @@ schedule_runs = sa.Table(
     sa.Column("last_task_id", BigInteger),
 )
 
-#: One row per model a worker considered for a task: skipped because it was cooling
-#: down, or called (with the outcome). The routing history; KPIs 1, 3 and 4 read it.
+#: Each model a worker considered for a task, skipped, refused or called: KPIs 1, 3, 4 read it.
 route_log = sa.Table(
     "route_log",
     metadata,
@@ -235,16 +238,14 @@ route_log = sa.Table(
     sa.Column("outcome", Text),  # ok, rate_limited, overloaded, timeout, auth, error, fatal
     sa.Column("cooldown_until", Epoch),  # seen (skip) or set (call)
     sa.Column("at", Epoch, nullable=False),
-    # Admission (migration 0005): who the call went to, why not, and what it cost.
-    sa.Column("role", Text),
+    sa.Column("role", Text),  # admission (0005): who the call went to, why not, its cost
     sa.Column("fallback_from", Text),  # the role whose fallback led to this candidate
     sa.Column("provider", Text),
     sa.Column("account", Text),
     sa.Column("code", Text),  # a refusal's code (decision refuse or skip)
     sa.Column("retry_after", Epoch),  # when the refusing gate admits again
     sa.Column("gates", LenientJSON),  # gate -> "ok" or its refusal
-    # Migration 0009: the refusal as clients see it (agentbus.admission.gates.Refusal.as_dict).
-    sa.Column("refusal", LenientJSON(none_as_null=True)),
+    sa.Column("refusal", LenientJSON(none_as_null=True)),  # 0009: Refusal.as_dict
     sa.Column("prompt_tokens", Integer),
     sa.Column("completion_tokens", Integer),
     sa.Column("cost", sa.Float),
@@ -253,8 +254,7 @@ route_log = sa.Table(
 sa.Index("ix_route_log_task", route_log.c.task_id, route_log.c.claim_token)
 sa.Index("ix_route_log_at", route_log.c.at)
 
-#: Every cooldown written (the effective end after the never-shorten upsert):
-#: what model_cooldown said at any moment, for KPI 3.
+#: Every cooldown written (its end after the never-shorten upsert), for KPI 3.
 cooldown_history = sa.Table(
     "cooldown_history",
     metadata,

@@ -296,3 +296,26 @@ def test_two_sweeper_services_enqueue_every_occurrence_at_most_once(
     enqueued = sum(s.text().count("schedule_enqueued") for s in services)
     assert enqueued == len(keys)
     db.dispose()
+
+
+def test_status_metrics_and_render_show_the_schedules(db: Database, clock: FakeClock) -> None:
+    from agentbus.admin import render, serve, status
+
+    clock.now = at("2026-12-07T10:00:00+00:00")
+    s = sweep_with(db, clock, hourly={"every": "1h"})
+    jobs.schedules(s)
+    clock.now = at("2026-12-07T11:00:00+00:00")
+    jobs.schedules(s)
+    doc = status.snapshot(db, Settings(), clock.now, kpis=False, catalog=s.config.catalog)
+    (row,) = doc["schedules"]
+    assert (row["name"], row["when"], row["last_at"]) == ("hourly", "every 1h", clock.now)
+    assert row["next_at"] == clock.now + HOUR and row["last_task_id"] is not None
+    assert "schedule hourly (every 1h, agent codex): next" in render.status(doc, Settings())
+    families = {m.name: m for m in serve.SnapshotCollector(lambda _k: doc, lambda: []).collect()}
+    (nxt,) = families["agentbus_schedule_next_run_timestamp_seconds"].samples
+    (last,) = families["agentbus_schedule_last_run_timestamp_seconds"].samples
+    assert (nxt.labels, nxt.value, last.value) == (
+        {"schedule": "hourly"},
+        clock.now + HOUR,
+        clock.now,
+    )

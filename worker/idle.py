@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from agentbus.db import Database
 from agentbus.queue import TaskQueue, wakeups
+from agentbus.queue.groups import GroupRule
 
 
 class Idle:
@@ -31,12 +32,14 @@ class Idle:
         stopping: threading.Event,
         listen: bool,
         peers: Callable[[], int] = lambda: 1,
+        groups: Callable[[], GroupRule | None] = lambda: None,
     ) -> None:
         self.queue = queue
         self.agent = agent
         self.poll_sec = poll_sec
         #: The idle workers of the agent, this one among them (its last heartbeat's count).
         self.peers = peers
+        self.groups = groups  # the agent's rule for its tasks' groups (the live config's)
         self.stopping = stopping  # the worker's: a stop ends the idle wait
         self._wake = threading.Event()  # a task was queued for us, a slot freed, a stop
         self._look_when_due = False  # an idle wait ended by a wake-up: see wait_for_work
@@ -100,7 +103,11 @@ class Idle:
         task is due, if sooner: a task delayed a little, or stamped by a clock a little
         ahead, is claimed on time."""
         look = self.listener is None or not self.listener.listening.is_set()
-        due_in = self.queue.due_in(self.agent) if self._look_when_due and not look else None
+        due_in = (
+            self.queue.due_in(self.agent, groups=self.groups())
+            if self._look_when_due and not look
+            else None
+        )
         self._look_when_due = False
         wait = wakeups.claim_every(self.poll_sec, pooled=self._pooled_looks, peers=self.peers())
         if due_in is not None and due_in < wait:  # end at that task's time
@@ -118,5 +125,5 @@ class Idle:
             if self.wait(min(every, left) if look else left):
                 self._look_when_due = True
                 return
-            if look and self.queue.has_due(self.agent):
+            if look and self.queue.has_due(self.agent, groups=self.groups()):
                 return

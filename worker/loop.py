@@ -47,6 +47,7 @@ from agentbus.queue.decisions import (
     Requeue,
     Settlement,
 )
+from agentbus.queue.groups import GroupRule
 from agentbus.queue.tasks import Task
 from agentbus.queue.workers import WorkerRegistry, new_worker_id
 from agentbus.worker import policy
@@ -108,6 +109,7 @@ class Worker:
             stopping=self.stopping,
             listen=not options.drain,
             peers=lambda: self.registry.idle_peers,
+            groups=self.groups,
         )
         self._slots = (
             ThreadPoolExecutor(options.concurrency, thread_name_prefix="slot")
@@ -122,6 +124,7 @@ class Worker:
         self._held: dict[int, Task] = {}  # claimed by us and not yet settled in the database
         self._in_slots: set[int] = set()  # handed to a slot thread and not back yet
         self._acks: list[Settlement] = []  # done, to acknowledge with the next claim
+        self._acked_turns = False  # the last claim acknowledged tasks of groups
         self._backoff_ends = 0.0  # time.monotonic(): no claim before
         self._slot_error: BaseException | None = None  # a slot could not settle its task
         self._stop_reason: str | None = None
@@ -167,6 +170,10 @@ class Worker:
                     continue
                 self._reload_if_changed()
                 tasks = self._claim(room)  # acknowledging the last completions with it
+                if not tasks and self._acked_turns:
+                    # Those completions may free the next turns of their groups, which a
+                    # claim in their own statement (PostgreSQL) cannot see yet.
+                    tasks = self._claim(room)
                 if not tasks:
                     if self.options.drain and not self._in_slots:
                         break
@@ -413,13 +420,21 @@ class Worker:
             acks, self._acks = self._acks, []
         try:
             rejected, tasks = self.queue.settle_and_claim(
-                acks, self.options.agent, self.id, self.options.lease_sec, room
+                acks,
+                self.options.agent,
+                self.id,
+                self.options.lease_sec,
+                room,
+                groups=self.groups(),
             )
         except BaseException:
             with self._lock:  # not acknowledged: kept (and their leases renewed)
                 self._acks = acks + self._acks
             raise
         lost = self._lost(rejected)
+        with self._lock:  # still held: forgotten below
+            grouped = [self._held.get(a.task_id) for a in acks if a.task_id not in lost]
+        self._acked_turns = room > 0 and any(t is not None and t.group_key for t in grouped)
         for ack in acks:
             self._forget_id(ack.task_id)
         done = [ack.task_id for ack in acks if ack.task_id not in lost]
@@ -433,6 +448,10 @@ class Worker:
         if done:
             self._record(failed=False)
         return tasks
+
+    def groups(self) -> GroupRule | None:
+        """The agent's rule for its tasks' groups, from the live config."""
+        return GroupRule.of(self.config.catalog.agents.get(self.options.agent))
 
     def _forget(self, task: Task) -> None:
         self._forget_id(task.id)

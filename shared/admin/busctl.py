@@ -83,6 +83,7 @@ def migrate_cmd(c: Context) -> None:
     help="Not started by then (e.g. 2026-12-08T09:00:00Z): never started, cancelled.",
 )
 @click.option("--expires-in", type=float, metavar="SECONDS", help="A deadline this long after now.")
+@click.option("--group", metavar="G", help="Its group (a conversation): turns run in order.")
 @click.argument("text")
 @pass_ctx
 def enqueue_cmd(
@@ -97,6 +98,7 @@ def enqueue_cmd(
     key: str | None,
     deadline: str | None,
     expires_in: float | None,
+    group: str | None,
     text: str,
 ) -> None:
     """Put a task on the queue and print its id. TEXT - reads the text from stdin.
@@ -126,6 +128,7 @@ def enqueue_cmd(
         key=key,
         deadline=None if deadline is None else deadline_epoch(deadline),
         expires_in_sec=expires_in,
+        group=group,
     )
     result = c.queue().enqueue(spec)
     if not result.created:

@@ -27,6 +27,17 @@ def status(doc: dict[str, Any], settings: Settings) -> str:
     if ended.get("expired") or ended.get("next") is not None:
         soon = f"; next deadline {cli.fmt_time(ended['next'])}" if ended.get("next") else ""
         out.append(f"deadlines: {ended['expired']:,} tasks ended unstarted{soon}")
+    for agent, g in sorted(doc.get("groups", {}).items()):
+        out.append(
+            f"groups of {agent}: {g['groups']:,} with unfinished tasks; {g['claimed']:,} "
+            f"running, {g['queued']:,} queued, {g['paused']:,} paused"
+        )
+    for r in doc.get("schedules", []):
+        last = cli.fmt_time(r["last_at"]) if r["last_at"] is not None else "never"
+        out.append(
+            f"schedule {r['name']} ({r['when']}, agent {r['agent']}): next "
+            f"{cli.fmt_time(r['next_at'])}, last {last}"
+        )
     used = doc["usage_today"]
     tokens = sum(u["tokens"] for u in used)
     cost = sum(u["cost"] for u in used)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -19,31 +19,13 @@ if TYPE_CHECKING:
 @pass_ctx
 def schedules_cmd(c: Context, as_json: bool) -> None:
     """The schedules of the config file ([schedules.NAME]): next run, last occurrence."""
-    from agentbus.sweeper import schedules as timetable
+    from agentbus.admin.status import schedules_of
 
-    configured = c.catalog.schedules if c.catalog is not None else {}
     db = c.database()
-    now = db.clock()
-    kept = timetable.read(db, configured)
-    rows: list[dict[str, Any]] = []
-    for name, schedule in sorted(configured.items()):
-        run = kept.get(name)
-        last_id = run.last_task_id if run is not None else None
-        status = _status(db, last_id) if last_id is not None else None
-        rows.append(
-            {
-                "name": name,
-                "agent": schedule.agent,
-                "when": schedule.when,
-                "timezone": schedule.timezone,
-                "catch_up": schedule.catch_up,
-                "next_at": schedule.next_after(max(now, run.since()) if run else now),
-                "first_seen": run.first_seen if run is not None else None,
-                "last_at": run.last_at if run is not None else None,
-                "last_task_id": last_id,
-                "last_task_status": status,
-            }
-        )
+    rows = schedules_of(db, c.catalog, db.clock())
+    for row in rows:
+        last = row["last_task_id"]
+        row["last_task_status"] = _status(db, last) if last is not None else None
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return

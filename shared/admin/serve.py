@@ -134,6 +134,40 @@ class SnapshotCollector(Collector):
             ),
             {h["agent"]: 1 for h in doc["holds"]},
         )
+        grouped = GaugeMetricFamily(
+            "agentbus_group_tasks",
+            "Unfinished tasks that have a group, per agent and state (queued ones wait for "
+            "their group's turn when the agent sets group_concurrency).",
+            labels=["agent", "status"],
+        )
+        for agent, g in doc["groups"].items():
+            for state in ("queued", "claimed", "paused"):
+                grouped.add_metric([agent, state], g[state])
+        yield grouped
+        yield _labelled(
+            GaugeMetricFamily(
+                "agentbus_groups_active",
+                "Groups with unfinished tasks, per agent.",
+                labels=["agent"],
+            ),
+            {agent: g["groups"] for agent, g in doc["groups"].items()},
+        )
+        yield _labelled(
+            GaugeMetricFamily(
+                "agentbus_schedule_next_run_timestamp_seconds",
+                "When each schedule's next occurrence comes (epoch seconds).",
+                labels=["schedule"],
+            ),
+            {r["name"]: r["next_at"] for r in doc["schedules"]},
+        )
+        yield _labelled(
+            GaugeMetricFamily(
+                "agentbus_schedule_last_run_timestamp_seconds",
+                "Each schedule's last occurrence enqueued or missed (epoch seconds).",
+                labels=["schedule"],
+            ),
+            {r["name"]: r["last_at"] for r in doc["schedules"] if r["last_at"] is not None},
+        )
         tokens = CounterMetricFamily("agentbus_tokens", "Tokens used, per model.", labels=["model"])
         cost = CounterMetricFamily(
             "agentbus_cost", "Cost of the calls, per model.", labels=["model"]

@@ -15,7 +15,7 @@ from agentbus.admission.cooldowns import CooldownStore
 from agentbus.catalog import Catalog
 from agentbus.config import Settings
 from agentbus.db import Database
-from agentbus.queue import deadlines, events, holds, malformed, reads
+from agentbus.queue import deadlines, events, groups, holds, malformed, reads
 from agentbus.queue.statements import in_state
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_commands as t
@@ -47,7 +47,7 @@ def snapshot(
     totals: dict[str, int] = {}
     for (status, _), n in counts.items():
         totals[status] = totals.get(status, 0) + n
-    doc, seen, bad, windows, held, next_deadline = db.read(
+    doc, seen, bad, windows, held, next_deadline, grouped = db.read(
         lambda conn: (
             _tables(conn, now),
             observe.observe(conn, now, settings.worker_stale_sec),
@@ -55,6 +55,7 @@ def snapshot(
             shares.standing(conn, catalog, accounts.learnt(conn), settings.rpm_window_sec, now),
             holds.holds(conn),
             conn.execute(deadlines.NEXT_DEADLINE).scalar(),
+            groups.standing(conn),
         )
     )
     cooling = CooldownStore(db, clock=lambda: now, cache_sec=1e-9).details()
@@ -74,6 +75,10 @@ def snapshot(
             "expired": seen["counters"].get("expiries", {}).get("", 0),
             "next": next_deadline,
         },
+        # per agent: its groups with unfinished tasks, and those tasks by state
+        "groups": grouped,
+        # the config's schedules: when each runs next, its last occurrence and task
+        "schedules": schedules_of(db, catalog, now),
         # names the client budget refused, ever (a counter: retention leaves it)
         "budget_refused": seen["counters"].get("budget_refused", {}).get("", 0),
         "malformed": bad,
@@ -101,6 +106,31 @@ def snapshot(
         "kpis_since": now - KPI_WINDOW_SEC,
         "events": workspace_events.recent(db, limit=20),
     }
+
+
+def schedules_of(db: Database, catalog: Catalog | None, now: float) -> list[dict[str, Any]]:
+    """The config's schedules: when each runs next, and its last occurrence and task."""
+    from agentbus.sweeper import schedules as timetable
+
+    configured = catalog.schedules if catalog is not None else {}
+    kept = timetable.read(db, configured) if configured else {}
+    out = []
+    for name, schedule in sorted(configured.items()):
+        run = kept.get(name)
+        out.append(
+            {
+                "name": name,
+                "agent": schedule.agent,
+                "when": schedule.when,
+                "timezone": schedule.timezone,
+                "catch_up": schedule.catch_up,
+                "next_at": schedule.next_after(max(now, run.since()) if run else now),
+                "first_seen": run.first_seen if run else None,
+                "last_at": run.last_at if run else None,
+                "last_task_id": run.last_task_id if run else None,
+            }
+        )
+    return out
 
 
 def windows(

@@ -152,6 +152,14 @@ class AgentConfig:
     # Its part of a provider account's windows when agents contend for them: at least
     # share / the shares of every agent waiting for the account (work-conserving).
     share: float = 1.0
+    # Tasks of one group (a conversation) that may run at once (None: any number), and
+    # whether a paused or retrying one keeps its group's turn ("enqueue") or not ("any").
+    group_concurrency: int | None = None
+    group_order: str = "enqueue"
+
+
+#: The orders of a group's turns (``[agents.X] group_order``).
+GROUP_ORDERS = ("enqueue", "any")
 
 
 @dataclass(frozen=True)

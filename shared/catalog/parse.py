@@ -11,6 +11,7 @@ from typing import Any
 from agentbus.catalog.model import (
     ANTHROPIC_URL,
     ANTHROPIC_VERSION,
+    GROUP_ORDERS,
     HTTP_KINDS,
     NAME_RE,
     PROVIDER_KINDS,
@@ -207,7 +208,11 @@ def _agent(
     catalog: Catalog, roles: Mapping[str, RoleConfig], name: str, body: Mapping[str, Any]
 ) -> AgentConfig:
     where = f"[agents.{name}]"
-    _only(body, where, {"role", "models", "rate", "rate_window_sec", "share"})
+    _only(
+        body,
+        where,
+        {"role", "models", "rate", "rate_window_sec", "share", "group_concurrency", "group_order"},
+    )
     if ("role" in body) == ("models" in body):
         raise ConfigError(f"{where}: give either role or models")
     rate = _count(body["rate"], f"{where} rate") if "rate" in body else None
@@ -223,7 +228,20 @@ def _agent(
         raise ConfigError(
             f"{where}: share must be a positive number below 1,000,000, got {share!r}"
         )
-    agent = AgentConfig(name, rate=rate, rate_window_sec=float(window), share=float(share))
+    groups = body.get("group_concurrency")
+    if groups is not None:
+        groups = _count(groups, f"{where} group_concurrency")
+    order = body.get("group_order", "enqueue")
+    if order not in GROUP_ORDERS:
+        raise ConfigError(f"{where}: group_order must be 'enqueue' or 'any', got {order!r}")
+    agent = AgentConfig(
+        name,
+        rate=rate,
+        rate_window_sec=float(window),
+        share=float(share),
+        group_concurrency=groups,
+        group_order=order,
+    )
     if "role" in body:
         return replace(agent, role=_known(body["role"], roles, f"{where}: unknown role"))
     chain = body.get("models")

@@ -40,6 +40,7 @@ ENQUEUED_COLUMNS = (
     "max_attempts",
     "idempotency_key",
     "expires_at",
+    "group_key",
     "created_at",
     "updated_at",
 )
@@ -69,6 +70,7 @@ ENQUEUE_ARRAYS: dict[str, Any] = {
     "run_after": sa.Float,
     "max_attempts": sa.Integer,
     "expires_at": sa.Float,
+    "group_key": sa.Text,
 }
 
 
@@ -105,6 +107,7 @@ def _enqueue_postgres(*, single: bool) -> sa.Select[Any]:
         given.c.run_after,
         given.c.max_attempts,
         sa.cast(given.c.expires_at, sa.Float),  # typed: a NULL alone would be text
+        given.c.group_key,
         P_NOW,
         P_NOW,
     ).order_by(*order)

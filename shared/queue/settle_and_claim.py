@@ -28,6 +28,7 @@ from agentbus.db import Database
 from agentbus.db.compiled import Prepared, prepared
 from agentbus.queue import events, wakeups
 from agentbus.queue.decisions import Complete, Settlement
+from agentbus.queue.groups import GroupRule, mode_of
 from agentbus.queue.inserts import INSERT_EVENT, INSERT_ROUTE
 from agentbus.queue.statements import (
     COMPLETE_MANY_POSTGRES,
@@ -58,12 +59,15 @@ def _recordset(name: str, table: sa.Table, extra: Sequence[sa.ColumnClause[Any]]
 
 
 @functools.cache
-def ack_and_claim_postgres(*, single: bool = False, limit: int | None = None) -> sa.Select[Any]:
+def ack_and_claim_postgres(
+    *, single: bool = False, limit: int | None = None, groups: str | None = None
+) -> sa.Select[Any]:
     """PostgreSQL: the steady state in one statement.
 
     Parameters: those of ``COMPLETE_MANY_POSTGRES`` (with ``single``: of
     ``COMPLETE_ONE_POSTGRES``, one completion or none, ``p_id`` NULL) and of the claim
-    (with ``limit``: claiming up to that many, ``p_limit`` not read),
+    (with ``limit``: claiming up to that many, ``p_limit`` not read; with ``groups``, the
+    agent's group order, ``p_group_limit``),
     ``p_events`` (the settlement events), ``p_routes`` (routing rows, each with its
     ``day``) as JSON arrays. Returns one row per claimed task (all its columns) and,
     in column ``acked`` of every row, the ids whose completion held; at least one row.
@@ -77,7 +81,7 @@ def ack_and_claim_postgres(*, single: bool = False, limit: int | None = None) ->
     # counted on a tenth of the queued tasks of the table's statistics and was dearer,
     # so the server planned the statement again at every run, which cost it about as
     # much again as running it once statistics said tasks were queued.
-    claimed = claim_statement("postgresql", limit=limit).cte("claimed")
+    claimed = claim_statement("postgresql", limit=limit, groups=groups).cte("claimed")
     ev = _recordset("events", task_events)
     event_columns = [c.name for c in task_events.c if c.name != "id"]
     settle_events = sa.select(*(ev.c[n] for n in event_columns)).where(ev.c.task_id.in_(held))
@@ -149,16 +153,16 @@ class _SQLiteStatements(NamedTuple):
     claim_event_places: tuple[tuple[int, int], tuple[int, int]]
 
     @classmethod
-    def compile(cls, dialect: sa.Dialect) -> _SQLiteStatements:
+    def compile(cls, dialect: sa.Dialect, groups: str | None) -> _SQLiteStatements:
         insert_event, claim_one = (
             prepared(dialect, INSERT_EVENT),
-            prepared(dialect, claim_statement("sqlite", single=True)),
+            prepared(dialect, claim_statement("sqlite", single=True, groups=groups)),
         )
         names, columns = insert_event.names, claim_one.columns
         return cls(
             prepared(dialect, SETTLE["complete"]),
             claim_one,
-            prepared(dialect, claim_statement("sqlite")),
+            prepared(dialect, claim_statement("sqlite", groups=groups)),
             insert_event,
             prepared(dialect, INSERT_ROUTE),
             prepared(dialect, usage.upsert("sqlite")),
@@ -176,11 +180,11 @@ class SteadyState:
         self.db = db
         self.postgres = db.dialect == "postgresql"
 
-    @functools.cached_property
-    def _sqlite_statements(self) -> _SQLiteStatements:
+    @functools.cache  # noqa: B019 (one per queue, kept as long as it)
+    def _sqlite_statements(self, groups: str | None) -> _SQLiteStatements:
         """Compiled at the first claim (a queue that never claims, a command's, compiles
-        none) and kept."""
-        return _SQLiteStatements.compile(self.db.engine.dialect)
+        none) and kept, for each group order claimed with."""
+        return _SQLiteStatements.compile(self.db.engine.dialect, groups)
 
     def run(
         self,
@@ -191,9 +195,11 @@ class SteadyState:
         now: float,
         lease_sec: float,
         limit: int,
+        groups: GroupRule | None = None,
     ) -> tuple[set[int], list[dict[str, Any]]]:
         """Complete ``acks`` (each ``decision`` a ``Complete``) and claim up to ``limit``
-        tasks of ``agent``: (the ids whose claim held, the claimed rows)."""
+        tasks of ``agent`` (``groups``: its rule for its tasks' groups): (the ids whose
+        claim held, the claimed rows)."""
         assert all(isinstance(a.decision, Complete) for a in acks)
         claim = {
             "p_agent": agent,
@@ -201,13 +207,19 @@ class SteadyState:
             "p_now": now,
             "p_lease_until": now + lease_sec,
             "p_limit": max(limit, 0),
+            **(groups.params if groups is not None else {}),
         }
+        mode = mode_of(groups)
         if self.postgres:
-            return self.db.pinned.write_one(lambda conn: self._postgres(conn, acks, claim))
-        return self._sqlite(acks, claim)
+            return self.db.pinned.write_one(lambda conn: self._postgres(conn, acks, claim, mode))
+        return self._sqlite(acks, claim, mode)
 
     def _postgres(
-        self, conn: Connection, acks: Sequence[Settlement], claim: dict[str, Any]
+        self,
+        conn: Connection,
+        acks: Sequence[Settlement],
+        claim: dict[str, Any],
+        groups: str | None,
     ) -> tuple[set[int], list[dict[str, Any]]]:
         now, worker = claim["p_now"], claim["p_worker"]
         results = [settle_params(a.decision)[1] for a in acks]
@@ -233,20 +245,21 @@ class SteadyState:
             params["p_results"] = [events.storable(r["p_result"]) for r in results]
             params["p_notes"] = [events.storable(r["p_note"]) for r in results]
             params["p_details"] = [events.storable(r["p_detail"]) for r in results]
-        both = prepared(conn.dialect, ack_and_claim_postgres(single=single, limit=claim["p_limit"]))
+        statement = ack_and_claim_postgres(single=single, limit=claim["p_limit"], groups=groups)
+        both = prepared(conn.dialect, statement)
         rows = both.rows(both.execute(conn, params))
         acked = set(rows[0]["acked"] or ())
         return acked, [row for row in rows if row["id"] is not None]
 
     def _sqlite(
-        self, acks: Sequence[Settlement], claim: dict[str, Any]
+        self, acks: Sequence[Settlement], claim: dict[str, Any], groups: str | None
     ) -> tuple[set[int], list[dict[str, Any]]]:
         """Every statement's parameters are made before the transaction begins (a claim's
         event from a template its task's id and token are put in) and the claimed rows
         are read after it ends: the writers' turn (one writer at a time on SQLite) holds
         the statements and little else."""
         now, worker = claim["p_now"], claim["p_worker"]
-        statements = self._sqlite_statements
+        statements = self._sqlite_statements(groups)
         complete, insert_event = statements.complete, statements.insert_event
         insert_route, add_usage = statements.insert_route, statements.add_usage
         claiming = statements.claim_one if claim["p_limit"] == 1 else statements.claim_many

@@ -29,6 +29,7 @@ from agentbus.queue.decisions import (
     Release,
     Requeue,
 )
+from agentbus.queue.groups import turn_free
 from agentbus.queue.holds import NOT_HELD
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.schema import bus_commands as t
@@ -268,24 +269,37 @@ LAPSE = (
     .returning(t.c.id)
 )
 
-#: Is a task of ``p_agent`` due? (an idle SQLite worker's cheap look: a read, no lock)
-HAS_DUE = (
-    sa.select(t.c.id)
-    .where(in_state(TaskStatus.QUEUED), t.c.agent == P_AGENT, t.c.run_after <= P_NOW, NOT_HELD)
-    .limit(1)
-)
-#: When the earliest queued task of ``p_agent`` is due (NULL: none is, or it is held).
-NEXT_DUE = sa.select(sa.func.min(t.c.run_after)).where(
-    in_state(TaskStatus.QUEUED), t.c.agent == P_AGENT, NOT_HELD
-)
+
+@functools.cache
+def has_due(groups: str | None = None) -> sa.Select[Any]:
+    """Is a task of ``p_agent`` due? (an idle SQLite worker's cheap look: a read, no lock;
+    ``groups``: the agent's group order, ``p_group_limit`` read: a task whose group has no
+    turn free is not due)."""
+    due = [in_state(TaskStatus.QUEUED), t.c.agent == P_AGENT, t.c.run_after <= P_NOW, NOT_HELD]
+    if groups is not None:
+        due.append(turn_free(groups, P_NOW))
+    return sa.select(t.c.id).where(*due).limit(1)
 
 
 @functools.cache
-def claim_statement(dialect: str, *, single: bool = False, limit: int | None = None) -> Update:
+def next_due(groups: str | None = None) -> sa.Select[Any]:
+    """When the earliest queued task of ``p_agent`` is due (NULL: none is, or it is held;
+    ``groups``: as ``has_due``'s, a task whose group has no turn free left out)."""
+    due = [in_state(TaskStatus.QUEUED), t.c.agent == P_AGENT, NOT_HELD]
+    if groups is not None:
+        due.append(turn_free(groups, P_NOW))
+    return sa.select(sa.func.min(t.c.run_after)).where(*due)
+
+
+@functools.cache
+def claim_statement(
+    dialect: str, *, single: bool = False, limit: int | None = None, groups: str | None = None
+) -> Update:
     """Claim up to ``p_limit`` due queued tasks of ``p_agent`` in one statement (``single``:
     one task, ``p_limit`` not read; ``limit``: up to that many, written in the statement,
     ``p_limit`` not read), none while the agent is held: by priority, due time, age. Read
-    in the queued tasks' index order, a priority's first entry not due ends its due ones."""
+    in the queued tasks' index order, a priority's first entry not due ends its due ones.
+    ``groups``: the agent's group order (``agentbus.queue.groups``), ``p_group_limit`` read."""
     picked = (
         sa.select(t.c.id)
         .where(in_state(_source("claim")), t.c.agent == P_AGENT, t.c.run_after <= P_NOW)
@@ -293,6 +307,8 @@ def claim_statement(dialect: str, *, single: bool = False, limit: int | None = N
         .order_by(t.c.priority.desc(), t.c.run_after, t.c.id)
         .limit(1 if single else P_LIMIT if limit is None else limit)
     )
+    if groups is not None:
+        picked = picked.where(turn_free(groups, P_NOW))
     if dialect == "postgresql":
         # A CTE runs once; an IN (subquery … FOR UPDATE) may be re-run per row. The rows
         # it picks are queued and locked: the UPDATE finds them by key. (A status test

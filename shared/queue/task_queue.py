@@ -41,6 +41,7 @@ from agentbus.queue.decisions import (
     Requeue,
     Settlement,
 )
+from agentbus.queue.groups import GroupRule, mode_of
 from agentbus.queue.guarded import Clock, text_safe
 from agentbus.queue.inserts import (
     ENQUEUE_ARRAYS,
@@ -50,7 +51,7 @@ from agentbus.queue.inserts import (
     ENQUEUE_ONE_POSTGRES,
     INSERT_EVENT,
 )
-from agentbus.queue.statements import HAS_DUE, HEARTBEAT, NEXT_DUE, SETTLE, action_of, settle_params
+from agentbus.queue.statements import HEARTBEAT, SETTLE, action_of, has_due, next_due, settle_params
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.queue.sweeps import SweepOps
 from agentbus.queue.tasks import Task, TaskSpec, check_payload, expires_at
@@ -174,15 +175,25 @@ class TaskQueue(SweepOps, ByHandOps, DeadlineOps):
             "max_attempts": spec.max_attempts or self.max_attempts,
             "idempotency_key": spec.key,
             "expires_at": expires_at(spec, now),
+            "group_key": spec.group,
             "created_at": now,
             "updated_at": now,
         }
 
     # -- workers -------------------------------------------------------------
 
-    def claim(self, agent: str, worker: str, lease_sec: float, limit: int = 1) -> list[Task]:
-        """Claim up to ``limit`` due queued tasks of ``agent``: priority first, then age."""
-        return self.settle_and_claim((), agent, worker, lease_sec, limit)[1]
+    def claim(
+        self,
+        agent: str,
+        worker: str,
+        lease_sec: float,
+        limit: int = 1,
+        *,
+        groups: GroupRule | None = None,
+    ) -> list[Task]:
+        """Claim up to ``limit`` due queued tasks of ``agent``: priority first, then age
+        (``groups``: the agent's rule for its tasks' groups)."""
+        return self.settle_and_claim((), agent, worker, lease_sec, limit, groups=groups)[1]
 
     def settle_and_claim(
         self,
@@ -191,6 +202,8 @@ class TaskQueue(SweepOps, ByHandOps, DeadlineOps):
         worker: str | None,
         lease_sec: float,
         limit: int,
+        *,
+        groups: GroupRule | None = None,
     ) -> tuple[list[TransitionRejected], list[Task]]:
         """Settle ``items`` (as ``settle``) and claim up to ``limit`` next tasks (as
         ``claim``): a worker's steady state. Completions and the claim are one
@@ -202,23 +215,34 @@ class TaskQueue(SweepOps, ByHandOps, DeadlineOps):
         if not acks and limit <= 0:
             return lost, []
         acked, rows = self._steady.run(
-            acks, agent=agent, worker=worker, now=self.clock(), lease_sec=lease_sec, limit=limit
+            acks,
+            agent=agent,
+            worker=worker,
+            now=self.clock(),
+            lease_sec=lease_sec,
+            limit=limit,
+            groups=groups,
         )
         lost += self._rejections([a for a in acks if a.task_id not in acked])
         tasks = [Task.from_row(row) for row in rows]
         return lost, sorted(tasks, key=lambda task: (-task.priority, task.run_after, task.id))
 
-    def has_due(self, agent: str) -> bool:
-        """Whether a task of ``agent`` is queued and due (a read: no write lock taken)."""
-        params = {"p_agent": agent, "p_now": self.clock()}
-        return self.db.read(lambda conn: conn.execute(HAS_DUE, params).first() is not None)
+    def has_due(self, agent: str, *, groups: GroupRule | None = None) -> bool:
+        """Whether a task of ``agent`` is queued and due, and its group has a turn free
+        (a read: no write lock taken)."""
+        params = {"p_agent": agent, "p_now": self.clock(), **(groups.params if groups else {})}
+        query = has_due(mode_of(groups))
+        return self.db.read(lambda conn: conn.execute(query, params).first() is not None)
 
-    def due_in(self, agent: str) -> float | None:
+    def due_in(self, agent: str, *, groups: GroupRule | None = None) -> float | None:
         """Seconds until the earliest queued task of ``agent`` is due (0 or less: due now;
-        None: none is queued). A read of the agent's queued tasks."""
-        params = {"p_agent": agent}
-        at = self.db.read(lambda conn: conn.execute(NEXT_DUE, params).scalar())
-        return None if at is None else float(at) - self.clock()
+        None: none is queued, or none has a turn free in its group). A read of the agent's
+        queued tasks."""
+        now = self.clock()
+        params = {"p_agent": agent, "p_now": now, **(groups.params if groups else {})}
+        query = next_due(mode_of(groups))
+        at = self.db.read(lambda conn: conn.execute(query, params).scalar())
+        return None if at is None else float(at) - now
 
     def heartbeat(self, task_id: int, token: int, lease_sec: float) -> float:
         """Extend the lease of a claim we hold; returns the new lease end."""

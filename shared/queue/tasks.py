@@ -54,6 +54,9 @@ class TaskSpec:
     # from its enqueue (``expires_in_sec``), not both; the queue refuses one already past.
     deadline: float | None = None
     expires_in_sec: float | None = None
+    # Its group (a conversation, a customer): with the agent's group_concurrency, at most
+    # that many of a group's tasks run at once, in enqueue order.
+    group: str | None = None
     # Measured once by validate(), for the limits the queue checks at enqueue.
     payload_depth: int = field(default=0, init=False, repr=False, compare=False)
     payload_bytes: int = field(default=0, init=False, repr=False, compare=False)
@@ -79,6 +82,7 @@ def validate(spec: TaskSpec) -> None:
     for label, text in (
         ("task text", spec.command),
         ("idempotency key", spec.key),
+        ("group", spec.group),
         ("agent name", spec.agent),
         ("role name", spec.role),
     ):
@@ -149,6 +153,10 @@ def validate(spec: TaskSpec) -> None:
         raise InvalidTask("max-attempts must be an integer from 1 to 1000")
     if spec.key is not None and (not isinstance(spec.key, str) or not 0 < len(spec.key) <= MAX_KEY):
         raise InvalidTask(f"the idempotency key must be a string of 1 to {MAX_KEY} characters")
+    if spec.group is not None and (
+        not isinstance(spec.group, str) or not 0 < len(spec.group) <= MAX_KEY
+    ):
+        raise InvalidTask(f"the group must be a string of 1 to {MAX_KEY} characters")
     _check_deadline(spec)
 
 
@@ -314,6 +322,7 @@ class Task:
     created_at: float | None
     updated_at: float | None
     expires_at: float | None  # the deadline: not started by then, never started
+    group_key: str | None  # its group: turns one at a time (the agent's group_concurrency)
 
     problem: str | None = None  # why this row cannot be run (set by from_row)
 
