@@ -5,6 +5,7 @@ SQLite, PostgreSQL and PgBouncer; real workers with slots; the config's refusals
 from __future__ import annotations
 
 import itertools
+import signal
 import subprocess
 from collections import defaultdict
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from agentbus.queue import TaskQueue
 from agentbus.queue.groups import ANY, GroupRule
 from agentbus.queue.tasks import TaskSpec
 from agentbus.schema import bus_commands, task_events
-from tests.support import FakeClock, Proc
+from tests.support import FakeClock, Proc, wait_until
 
 Spawn = Callable[..., Proc]
 Busctl = Callable[..., subprocess.CompletedProcess[str]]
@@ -156,10 +157,10 @@ def test_four_workers_of_four_slots_run_each_conversation_in_order_one_turn_at_a
     db_url: str, spawn: Spawn, tmp_path: Path
 ) -> None:
     """50 groups of 10 turns, enqueued group by group (a claim in enqueue order meets
-    the later turns of the groups running first), drained by 4 workers with 4 slots
-    each: by the event log, no turn is claimed before the one before it in its group is
-    done, and every group ran in enqueue order. (Without group_concurrency the same
-    drain runs a group's turns side by side.)"""
+    the later turns of the groups running first), run by 4 workers with 4 slots each
+    until every task is done: by the event log, no turn is claimed before the one
+    before it in its group is done, and every group ran in enqueue order. (Without
+    group_concurrency the same run has a group's turns side by side.)"""
     config = tmp_path / "agentbus.toml"
     config.write_text(GROUPED)
     db = Database(db_url)
@@ -172,10 +173,17 @@ def test_four_workers_of_four_slots_run_each_conversation_in_order_one_turn_at_a
     ]
     ids = queue.enqueue_many(specs)
     args = ("--agent", "codex", "--db", db_url, "--config", str(config), "--concurrency", "4")
-    workers = [spawn("worker", *args, "--drain") for _ in range(4)]
-    for worker in workers:
-        assert worker.wait(300) == 0, worker.text()
-    assert {queue.get(i).status for i in ids} == {"done"}
+    workers = [spawn("worker", *args, "--poll", "0.2") for _ in range(4)]
+    done = sa.select(sa.func.count()).where(bus_commands.c.status == "done")
+    try:
+        wait_until(
+            lambda: db.read(lambda conn: conn.execute(done).scalar()) == len(ids), timeout=240
+        )
+    finally:
+        for worker in workers:
+            worker.signal(signal.SIGTERM)
+        for worker in workers:
+            assert worker.wait(60) == 0, worker.text()
     turns = _turns(db)
     assert sorted(turns) == sorted(f"g{g}" for g in range(50))
     for group, ran in turns.items():

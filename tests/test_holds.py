@@ -133,11 +133,13 @@ def test_busctl_holds_an_agent_and_its_workers_claim_nothing_until_resumed(
     again = spawn("worker", "--agent", "codex", "--db", db_url, "--drain")
     assert again.wait() == 0, again.text()
     assert queue.get(later).status == "queued"  # a worker started later claims nothing
+    assert "agent_on_hold" in again.text() and "model misbehaves" in again.text()  # and says why
     resumed = run_busctl(*base, "agents", "resume", "codex")
     assert resumed.stdout.strip() == "codex: hold lifted; its workers claim again"
     last = spawn("worker", "--agent", "codex", "--db", db_url, "--drain")
     assert last.wait() == 0, last.text()
     assert queue.get(later).status == "done"
+    assert "agent_on_hold" not in last.text()
     assert run_busctl(*base, "agents").stdout.strip() == "no agent is on hold"
     # An agent no config, task or worker names: one line, exit 2, nothing written.
     unknown = run_busctl(*base, "agents", "pause", "ghost")

@@ -14,9 +14,11 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from agentbus.db import Database
-from agentbus.queue import TaskQueue, wakeups
+from agentbus.logging import get_logger, when
+from agentbus.queue import TaskQueue, holds, wakeups
 from agentbus.queue.groups import GroupRule
 
 
@@ -33,6 +35,7 @@ class Idle:
         listen: bool,
         peers: Callable[[], int] = lambda: 1,
         groups: Callable[[], GroupRule | None] = lambda: None,
+        log: Any = None,
     ) -> None:
         self.queue = queue
         self.agent = agent
@@ -40,6 +43,7 @@ class Idle:
         #: The idle workers of the agent, this one among them (its last heartbeat's count).
         self.peers = peers
         self.groups = groups  # the agent's rule for its tasks' groups (the live config's)
+        self.log = log if log is not None else get_logger("agentbus.worker")
         self.stopping = stopping  # the worker's: a stop ends the idle wait
         self._wake = threading.Event()  # a task was queued for us, a slot freed, a stop
         self._look_when_due = False  # an idle wait ended by a wake-up: see wait_for_work
@@ -77,13 +81,26 @@ class Idle:
         return False
 
     def found_nothing(self, running: bool) -> None:
-        """A claim found nothing: once that has lasted ``wakeups.REST_SEC`` with no task
-        ``running``, the claims' own connection is given back (an idle worker holds one)."""
+        """A claim found nothing: if an operator holds the agent's queue, that is said
+        once; once it has lasted ``wakeups.REST_SEC`` with no task ``running``, the
+        claims' own connection is given back (an idle worker holds one)."""
         now = time.monotonic()
         if self._since is None:
             self._since = now
+            self._say_if_held()
         elif now - self._since >= wakeups.REST_SEC and not running:
             self.queue.db.pinned.rest()
+
+    def _say_if_held(self) -> None:
+        hold = self.queue.db.read(lambda conn: holds.held(conn, self.agent))
+        if hold is not None:
+            self.log.warning(
+                "agent_on_hold",
+                by=hold.held_by,
+                reason=hold.reason,
+                since=when(hold.held_at),
+                effect="no task of this agent is claimed until busctl agents resume",
+            )
 
     def found_work(self) -> None:
         """A claim found tasks: the idle spell is over."""

@@ -110,6 +110,7 @@ class Worker:
             listen=not options.drain,
             peers=lambda: self.registry.idle_peers,
             groups=self.groups,
+            log=self.log,
         )
         self._slots = (
             ThreadPoolExecutor(options.concurrency, thread_name_prefix="slot")
@@ -175,9 +176,13 @@ class Worker:
                     # claim in their own statement (PostgreSQL) cannot see yet.
                     tasks = self._claim(room)
                 if not tasks:
-                    if self.options.drain and not self._in_slots:
-                        break
                     self.idle.found_nothing(running=bool(self._in_slots))
+                    if self.options.drain and not self._in_slots:
+                        with self._lock:  # a slot's last completion may free a group's turn
+                            acked = not self._acks
+                        if acked:
+                            break
+                        continue
                     self.idle.wait_for_work()
                     continue
                 self.idle.found_work()

@@ -118,3 +118,11 @@ def holds(conn: Connection) -> list[Hold]:
     """Every hold, by agent."""
     rows = conn.execute(sa.select(_H.agent, _H.reason, _H.held_by, _H.held_at).order_by(_H.agent))
     return [Hold(r.agent, r.reason, r.held_by, float(r.held_at)) for r in rows]
+
+
+def held(conn: Connection, agent: str) -> Hold | None:
+    """The hold on ``agent``'s queue, if there is one."""
+    row = conn.execute(
+        sa.select(_H.agent, _H.reason, _H.held_by, _H.held_at).where(_H.agent == agent)
+    ).first()
+    return None if row is None else Hold(row.agent, row.reason, row.held_by, float(row.held_at))
