@@ -212,6 +212,7 @@ def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
     """One task: its row and its events."""
     from agentbus.queue import events as task_events
     from agentbus.queue import reads
+    from agentbus.queue.tasks import TIMES
 
     db = c.database()
     task = reads.get_task(db, task_id)
@@ -223,16 +224,7 @@ def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
         doc = {"task": task.as_dict(), "events": events, "refusals": refused}
         click.echo(json.dumps(doc, indent=2))
         return
-    times = {
-        "run_after",
-        "lease_until",
-        "resume_after",
-        "first_paused_at",
-        "paused_at",
-        "created_at",
-        "updated_at",
-        "expires_at",
-    }
+    times = {"run_after", *TIMES}
     for name, value in task.as_dict().items():
         if name == "problem":
             continue  # said last, when there is one

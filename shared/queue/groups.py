@@ -23,6 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from agentbus.catalog.model import AgentConfig
+from agentbus.queue.states import TaskStatus
 from agentbus.schema import IN_GROUP
 from agentbus.schema import bus_commands as t
 
@@ -50,6 +51,11 @@ class GroupRule:
         return {"p_group_limit": self.limit}
 
 
+def _state(status: TaskStatus) -> sa.ColumnElement[str]:
+    """A state written into the SQL, not bound (as ``agentbus.queue.statements`` writes them)."""
+    return sa.literal_column(f"'{status.value}'", sa.Text)
+
+
 def mode_of(rule: GroupRule | None) -> str | None:
     """Which claim statement a rule takes (None: the one without groups)."""
     return None if rule is None else rule.order
@@ -59,9 +65,9 @@ def turn_free(order: str, now: sa.ColumnElement[float]) -> sa.ColumnElement[bool
     """The task of ``bus_commands`` the statement reads has no group, or fewer than
     ``p_group_limit`` of its group's other tasks hold a turn ahead of it."""
     o = t.alias("o")
-    claimed = o.c.status == sa.literal_column("'claimed'")
+    claimed = o.c.status == _state(TaskStatus.CLAIMED)
     if order == ANY:
-        due = sa.and_(o.c.status == sa.literal_column("'queued'"), o.c.run_after <= now)
+        due = sa.and_(o.c.status == _state(TaskStatus.QUEUED), o.c.run_after <= now)
         ahead = sa.or_(claimed, sa.and_(o.c.id < t.c.id, due))
     else:
         ahead = sa.or_(claimed, o.c.id < t.c.id)

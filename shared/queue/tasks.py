@@ -395,7 +395,8 @@ def _utc(epoch: float | None) -> datetime | None:
     return None if epoch is None else datetime.fromtimestamp(epoch, UTC)
 
 
-#: A task's whole-number columns (never NULL) and its times (NULL where unset).
+#: A task's whole-number columns (never NULL) and its times (NULL where unset; ``run_after``,
+#: never NULL, aside).
 _COUNTS = (
     "priority",
     "attempts",
@@ -405,7 +406,7 @@ _COUNTS = (
     "reentry_count",
     "rescue_count",
 )
-_TIMES = (
+TIMES = (
     "lease_until",
     "resume_after",
     "first_paused_at",
@@ -443,7 +444,7 @@ def _numbers_problem(values: dict[str, Any], status: TaskStatus, token: Any) -> 
         else:
             problems.append(_not_a_number("run_after", run_after))
             values["run_after"] = 0.0
-    for name in _TIMES:
+    for name in TIMES:
         value = values[name]
         if value is not None and (type(value) is not float or not math.isfinite(value)):
             if type(value) is int:
