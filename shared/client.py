@@ -68,6 +68,8 @@ ITEM_KEYS = frozenset(
         "deadline",
         "expires_in_sec",
         "group",
+        "after",
+        "after_policy",
     }
 )
 
@@ -215,6 +217,8 @@ class AgentBus:
         deadline: datetime | None = None,
         expires_in_sec: float | None = None,
         group: str | None = None,
+        after: Sequence[int] = (),
+        after_policy: str = "all_done",
         connection: Connection | None = None,
     ) -> int:
         """Queue a task and return its id (an existing task's id for a known ``key``).
@@ -223,7 +227,10 @@ class AgentBus:
         started by ``deadline`` (an aware datetime), or ``expires_in_sec`` after
         now, is never started: it ends ``cancelled``, the reason ``deadline``. Tasks
         of one ``group`` (a conversation) run at most the agent's ``group_concurrency``
-        at once, in enqueue order. With
+        at once, in enqueue order. A task enqueued ``after`` tasks (their ids) waits
+        until every one is done (``after_policy="any_end"``: ended, however) and gets
+        their results as ``payload["inputs"]``; when one fails, errs or is cancelled
+        it is cancelled too (reason ``dependency``). With
         ``connection`` the task is written through that SQLAlchemy connection in
         its transaction: it exists if and when the caller commits.
         """
@@ -241,6 +248,8 @@ class AgentBus:
             "deadline": deadline,
             "expires_in_sec": expires_in_sec,
             "group": group,
+            "after": after,
+            "after_policy": after_policy,
         }
         return self.enqueue_many([item], connection=connection)[0]
 
@@ -278,6 +287,11 @@ class AgentBus:
             isinstance(models, (str, bytes)) or not isinstance(models, Sequence)
         ):
             raise InvalidTask(f"models must be a list of model ids, not {type(models).__name__}")
+        after = item.get("after")
+        if after is not None and (
+            isinstance(after, (str, bytes)) or not isinstance(after, Sequence)
+        ):
+            raise InvalidTask(f"after must be a list of task ids, not {type(after).__name__}")
         payload = item.get("payload")
         if payload is not None and not isinstance(payload, Mapping):
             raise InvalidTask(f"the payload must be a JSON object, not {type(payload).__name__}")
@@ -294,6 +308,8 @@ class AgentBus:
             deadline=None if item.get("deadline") is None else deadline_epoch(item["deadline"]),
             expires_in_sec=item.get("expires_in_sec"),
             group=item.get("group"),
+            after=tuple(after) if after is not None else (),
+            after_policy="all_done" if item.get("after_policy") is None else item["after_policy"],
         )
         try:
             check_task(self.catalog, agent=spec.agent, models=spec.models, role=spec.role)

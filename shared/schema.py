@@ -59,6 +59,8 @@ bus_commands = sa.Table(
     sa.Column("result_detail", LenientJSON),  # model, finish_reason, tool_calls, usage
     sa.Column("expires_at", Epoch),  # the deadline: not started by then, never started
     sa.Column("group_key", Text),  # its group (a conversation): turns one at a time, in order
+    sa.Column("after_policy", Text),  # set when it waits for tasks (agentbus.queue.dependencies)
+    sa.Column("awaited", sa.Boolean, nullable=False, server_default=sa.false()),  # one waits for it
     sa.CheckConstraint(STATUS_CHECK, name="ck_bus_commands_status"),
     sqlite_autoincrement=True,
 )
@@ -104,12 +106,31 @@ sa.Index("ix_bus_commands_deadline", bus_commands.c.expires_at, sqlite_where=sa.
 IN_GROUP = f"group_key IS NOT NULL AND ({_WAITING} OR status = 'claimed')"
 _group = (bus_commands.c.agent, bus_commands.c.group_key, bus_commands.c.id)
 sa.Index("ix_bus_commands_group", *_group, sqlite_where=sa.text(IN_GROUP))
+#: The tasks waiting for others while they do (``run_after`` at 9999-12-31: never due).
+WAITING_DUE = 253402214400.0
+WAITING = f"after_policy IS NOT NULL AND status = 'queued' AND run_after = {WAITING_DUE}"
+sa.Index(
+    "ix_bus_commands_waiting",
+    bus_commands.c.agent,
+    bus_commands.c.id,
+    sqlite_where=sa.text(WAITING),
+)
 sa.Index(  # an enqueue without a key writes no page of it
     "uq_bus_commands_idempotency_key",
     bus_commands.c.idempotency_key,
     unique=True,
     sqlite_where=KEYED,
 )
+
+#: Each task a task waits for, in the order given (agentbus.queue.dependencies).
+task_dependencies = sa.Table(
+    "task_dependencies",
+    metadata,
+    sa.Column("task_id", BigInteger, primary_key=True),
+    sa.Column("position", Integer, primary_key=True),
+    sa.Column("after_id", BigInteger, nullable=False),
+)
+sa.Index("ix_task_dependencies_after", task_dependencies.c.after_id, task_dependencies.c.task_id)
 
 task_events = sa.Table(
     "task_events",

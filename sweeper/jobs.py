@@ -257,6 +257,18 @@ def demote(s: Sweep) -> dict[str, int]:
     return {"demoted": total}
 
 
+def dependencies(s: Sweep) -> dict[str, int]:
+    """Cancel the tasks waiting for a task that failed, erred or was cancelled (and those
+    waiting for them); make due any waiting task whose dependencies have all ended
+    (``agentbus.queue.dependencies``). Counts only what it did."""
+    cancelled = s.queue.cancel_doomed()
+    for task_id in cancelled:
+        log.info("task_cancelled", task_id=task_id, reason="a task it waited for did not succeed")
+    released = s.queue.release_ready()
+    counts = {"dependency_cancelled": len(cancelled), "dependency_released": len(released)}
+    return {name: n for name, n in counts.items() if n}
+
+
 def malformed(s: Sweep) -> dict[str, int]:
     """Rows written by hand that no worker can use: fail such tasks (with an ops_todo),
     delete such cooldowns and worker rows; one log line per row, once."""
@@ -320,8 +332,8 @@ def prune(s: Sweep) -> dict[str, int]:
 #: The order of a full pass: malformed rows first (no other job can read them right),
 #: rescue before pruning workers (inside ``rescue``), expire before resume (a task past
 #: its deadline is not resumed), resume before demote (a task due now is resumed, not
-#: failed).
-ALL = (malformed, rescue, expire, resume, schedules, demote, purge, prune)
+#: failed), dependencies after both (a task they end dooms its waiters in the same pass).
+ALL = (malformed, rescue, expire, resume, schedules, demote, dependencies, purge, prune)
 
 
 def _iso(epoch: float) -> str:

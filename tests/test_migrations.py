@@ -277,15 +277,24 @@ def test_sqlite_builds_no_table_of_a_list_in_a_hot_statement(db: Database) -> No
     """SQLite evaluates ``x IN (a, b, c)`` (and an IN over a subquery) by building a
     temporary b-tree at every row: a task's status check, the counting trigger's
     condition on every event and a single claim compare in place instead. What is left
-    is the one that buffers a RETURNING clause's rows."""
+    is the one that buffers a RETURNING clause's rows. The trigger that makes due the
+    tasks waiting for a task that ended builds one only when such a task ends (past its
+    WHEN: the program of a trigger is listed after the statement's, from its Init)."""
 
-    def tables(statement: object) -> int:
+    def tables(statement: object, trigger: str | None = None) -> int:
         sql = prepared(db.engine.dialect, statement).sql
         with db.engine.connect() as conn:
             ops = conn.exec_driver_sql("EXPLAIN " + sql, (None,) * sql.count("?")).all()
-        return sum(1 for op in ops if op[1] == "OpenEphemeral")
+        program, counted = None, 0
+        for op in ops:
+            if op[1] == "Init" and isinstance(op[5], str) and op[5].startswith("-- TRIGGER "):
+                program = op[5].removeprefix("-- TRIGGER ")
+            counted += op[1] == "OpenEphemeral" and program == trigger
+        return counted
 
     assert tables(SETTLE["complete"]) == 0  # its status check
+    assert tables(SETTLE["complete"], "count_tasks_moved") == 0
+    assert tables(SETTLE["complete"], "release_waiters") == 1  # only for an awaited task
     assert tables(INSERT_EVENT) == 0  # the counting trigger's condition
     assert tables(ENQUEUE_ONE) == 0  # its status check; its id is the cursor's lastrowid
     assert tables(claim_statement("sqlite", single=True)) == 1  # RETURNING the task

@@ -125,7 +125,7 @@ class Worker:
         self._held: dict[int, Task] = {}  # claimed by us and not yet settled in the database
         self._in_slots: set[int] = set()  # handed to a slot thread and not back yet
         self._acks: list[Settlement] = []  # done, to acknowledge with the next claim
-        self._acked_turns = False  # the last claim acknowledged tasks of groups
+        self._acked_turns = False  # the last claim acknowledged grouped or awaited tasks
         self._backoff_ends = 0.0  # time.monotonic(): no claim before
         self._slot_error: BaseException | None = None  # a slot could not settle its task
         self._stop_reason: str | None = None
@@ -172,8 +172,8 @@ class Worker:
                 self._reload_if_changed()
                 tasks = self._claim(room)  # acknowledging the last completions with it
                 if not tasks and self._acked_turns:
-                    # Those completions may free the next turns of their groups, which a
-                    # claim in their own statement (PostgreSQL) cannot see yet.
+                    # Those completions may free their groups' next turns, or tasks
+                    # waiting for them: a claim in their statement (PostgreSQL) sees none.
                     tasks = self._claim(room)
                 if not tasks:
                     self.idle.found_nothing(running=bool(self._in_slots))
@@ -439,7 +439,8 @@ class Worker:
         lost = self._lost(rejected)
         with self._lock:  # still held: forgotten below
             grouped = [self._held.get(a.task_id) for a in acks if a.task_id not in lost]
-        self._acked_turns = room > 0 and any(t is not None and t.group_key for t in grouped)
+        freed = [t for t in grouped if t is not None and (t.group_key or t.awaited)]
+        self._acked_turns = room > 0 and bool(freed)
         for ack in acks:
             self._forget_id(ack.task_id)
         done = [ack.task_id for ack in acks if ack.task_id not in lost]

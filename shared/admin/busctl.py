@@ -84,6 +84,14 @@ def migrate_cmd(c: Context) -> None:
 )
 @click.option("--expires-in", type=float, metavar="SECONDS", help="A deadline this long after now.")
 @click.option("--group", metavar="G", help="Its group (a conversation): turns run in order.")
+@click.option("--after", metavar="ID,...", help="Run when these tasks are done; their results in.")
+@click.option(
+    "--after-policy",
+    type=click.Choice(["all_done", "any_end"]),
+    default="all_done",
+    show_default=True,
+    help="any_end: run once they have ended, however (else a failed one cancels this).",
+)
 @click.argument("text")
 @pass_ctx
 def enqueue_cmd(
@@ -99,6 +107,8 @@ def enqueue_cmd(
     deadline: str | None,
     expires_in: float | None,
     group: str | None,
+    after: str | None,
+    after_policy: str,
     text: str,
 ) -> None:
     """Put a task on the queue and print its id. TEXT - reads the text from stdin.
@@ -108,6 +118,7 @@ def enqueue_cmd(
     agent, role or model it does not know is refused before anything is written.
     """
     from agentbus.admission.routing import check_task
+    from agentbus.queue.dependencies import parse_after
     from agentbus.queue.tasks import TaskSpec, deadline_epoch, parse_models, parse_payload
 
     if models is not None and role is not None:
@@ -129,6 +140,8 @@ def enqueue_cmd(
         deadline=None if deadline is None else deadline_epoch(deadline),
         expires_in_sec=expires_in,
         group=group,
+        after=() if after is None else parse_after(after),
+        after_policy=after_policy,
     )
     result = c.queue().enqueue(spec)
     if not result.created:
@@ -213,6 +226,7 @@ def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
     from agentbus.queue import events as task_events
     from agentbus.queue import reads
     from agentbus.queue.tasks import TIMES
+    from agentbus.schema import WAITING_DUE
 
     db = c.database()
     task = reads.get_task(db, task_id)
@@ -220,8 +234,9 @@ def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
     # Why it paused last: each candidate's refusal ({code, name, retry_after_ms, …}).
     pauses = [e for e in events if e["to_status"] == TaskStatus.PAUSED]
     refused = task_events.pause_refusals(pauses[-1]["detail"]) if pauses else {}
+    after = c.queue().dependencies_of(task_id) if task.after_policy else []
     if as_json:
-        doc = {"task": task.as_dict(), "events": events, "refusals": refused}
+        doc = {"task": task.as_dict(), "after": after, "events": events, "refusals": refused}
         click.echo(json.dumps(doc, indent=2))
         return
     times = {"run_after", *TIMES}
@@ -229,9 +244,13 @@ def show_cmd(c: Context, task_id: int, as_json: bool) -> None:
         if name == "problem":
             continue  # said last, when there is one
         shown = cli.fmt_time(value) if name in times and value else value
+        if name == "run_after" and value == WAITING_DUE:
+            shown = "when the tasks it waits for have ended"
         if isinstance(shown, (dict, list)):
             shown = json.dumps(shown)
         click.echo(f"{name:>16}: {'-' if shown is None else shown}")
+    if after:
+        click.echo(f"{'waits for':>16}: {', '.join(map(str, after))} ({task.after_policy})")
     if task.problem:
         click.echo(f"{'problem':>16}: {task.problem}")
     if task.result_detail:

@@ -32,6 +32,10 @@ def status(doc: dict[str, Any], settings: Settings) -> str:
             f"groups of {agent}: {g['groups']:,} with unfinished tasks; {g['claimed']:,} "
             f"running, {g['queued']:,} queued, {g['paused']:,} paused"
         )
+    waiting = doc.get("waiting", {})
+    if waiting:
+        each = ", ".join(f"{agent} {n:,}" for agent, n in sorted(waiting.items()))
+        out.append(f"waiting for other tasks (of the queued): {each}")
     for r in doc.get("schedules", []):
         last = cli.fmt_time(r["last_at"]) if r["last_at"] is not None else "never"
         out.append(

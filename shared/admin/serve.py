@@ -154,6 +154,14 @@ class SnapshotCollector(Collector):
         )
         yield _labelled(
             GaugeMetricFamily(
+                "agentbus_tasks_waiting_for_dependencies",
+                "Queued tasks that wait for other tasks to end (enqueued with after), per agent.",
+                labels=["agent"],
+            ),
+            doc["waiting"],
+        )
+        yield _labelled(
+            GaugeMetricFamily(
                 "agentbus_schedule_next_run_timestamp_seconds",
                 "When each schedule's next occurrence comes (epoch seconds).",
                 labels=["schedule"],

@@ -15,7 +15,7 @@ from agentbus.admission.cooldowns import CooldownStore
 from agentbus.catalog import Catalog
 from agentbus.config import Settings
 from agentbus.db import Database
-from agentbus.queue import deadlines, events, groups, holds, malformed, reads
+from agentbus.queue import deadlines, dependencies, events, groups, holds, malformed, reads
 from agentbus.queue.statements import in_state
 from agentbus.queue.states import TaskStatus
 from agentbus.schema import bus_commands as t
@@ -47,7 +47,7 @@ def snapshot(
     totals: dict[str, int] = {}
     for (status, _), n in counts.items():
         totals[status] = totals.get(status, 0) + n
-    doc, seen, bad, windows, held, next_deadline, grouped = db.read(
+    doc, seen, bad, windows, held, next_deadline, grouped, waiting = db.read(
         lambda conn: (
             _tables(conn, now),
             observe.observe(conn, now, settings.worker_stale_sec),
@@ -56,6 +56,7 @@ def snapshot(
             holds.holds(conn),
             conn.execute(deadlines.NEXT_DEADLINE).scalar(),
             groups.standing(conn),
+            dependencies.waiting_by_agent(conn),
         )
     )
     cooling = CooldownStore(db, clock=lambda: now, cache_sec=1e-9).details()
@@ -77,6 +78,8 @@ def snapshot(
         },
         # per agent: its groups with unfinished tasks, and those tasks by state
         "groups": grouped,
+        # per agent: its queued tasks that wait for other tasks to end (enqueued with after)
+        "waiting": waiting,
         # the config's schedules: when each runs next, its last occurrence and task
         "schedules": schedules_of(db, catalog, now),
         # names the client budget refused, ever (a counter: retention leaves it)

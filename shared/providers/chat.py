@@ -103,7 +103,25 @@ def conversation(text: str, payload: Mapping[str, Any]) -> list[dict[str, Any]]:
     messages = [dict(m) for m in payload.get("messages") or ()]
     if not messages or messages[-1]["role"] != "user":
         messages.append({"role": "user", "content": text})
+    given = inputs_text(payload)
+    if given is not None:  # what the tasks it waited for came to, before the request
+        messages.insert(len(messages) - 1, {"role": "user", "content": given})
     return messages
+
+
+def inputs_text(payload: Mapping[str, Any]) -> str | None:
+    """The results of the tasks a task waited for (``payload["inputs"]``, filled at claim:
+    ``agentbus.queue.dependencies``) as one user turn; None when it waited for none."""
+    inputs = payload.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        return None
+    if not all(isinstance(i, dict) and {"task", "status", "result"} <= i.keys() for i in inputs):
+        return None  # a payload's own "inputs", not the queue's
+    parts = ["Results of the tasks this one waited for:"]
+    for given in inputs:
+        result = given["result"] if isinstance(given["result"], str) else "(no result)"
+        parts.append(f"[task {given['task']}, {given['status']}]\n{result}")
+    return "\n\n".join(parts)
 
 
 def system_of(payload: Mapping[str, Any]) -> str | None:

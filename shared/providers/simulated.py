@@ -161,8 +161,10 @@ class SimulatedProvider:
         match behaviour:
             case "ok":
                 used = {"prompt_tokens": len(request.prompt.split()), "completion_tokens": 8}
+                given = request.payload.get("inputs")  # a task that waited for others
+                more = f" [{len(given)} inputs]" if isinstance(given, list) and given else ""
                 return Succeeded(
-                    f"[{request.model}] done: {request.prompt[:60]}",
+                    f"[{request.model}] done: {request.prompt[:60]}{more}",
                     Usage(**{**used, **script.get("usage", {})}),
                 )
             case _:

@@ -28,6 +28,7 @@ from agentbus.queue.states import TaskStatus
 from agentbus.schema import adopted_tables, bus_events, cooldown_history, route_log
 from agentbus.schema import bus_commands as t
 from agentbus.schema import idempotency_keys as keys
+from agentbus.schema import task_dependencies as deps
 from agentbus.schema import task_events as ev
 
 DONE, FAILED, ERROR, CANCELLED = (
@@ -125,6 +126,7 @@ def _delete_batch(
             return 0
         conn.execute(sa.delete(ev).where(ev.c.task_id.in_(ids)))
         conn.execute(sa.delete(route_log).where(route_log.c.task_id.in_(ids)))
+        conn.execute(sa.delete(deps).where(deps.c.task_id.in_(ids)))  # what they waited for
         # Guarded like every write: a task retried meanwhile is no longer finished.
         return int(
             conn.execute(sa.delete(t).where(t.c.id.in_(ids), t.c.status.in_(statuses))).rowcount

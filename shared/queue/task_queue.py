@@ -41,6 +41,7 @@ from agentbus.queue.decisions import (
     Requeue,
     Settlement,
 )
+from agentbus.queue.dependencies import DependencyOps
 from agentbus.queue.groups import GroupRule, mode_of
 from agentbus.queue.guarded import Clock, text_safe
 from agentbus.queue.inserts import (
@@ -55,6 +56,7 @@ from agentbus.queue.statements import HEARTBEAT, SETTLE, action_of, has_due, nex
 from agentbus.queue.states import TRANSITIONS, TaskStatus
 from agentbus.queue.sweeps import SweepOps
 from agentbus.queue.tasks import Task, TaskSpec, check_payload, expires_at
+from agentbus.schema import WAITING_DUE
 from agentbus.schema import bus_commands as t
 from agentbus.schema import idempotency_keys as keys
 
@@ -76,7 +78,7 @@ class Enqueued:
     created: bool  # False: the idempotency key named an existing task
 
 
-class TaskQueue(SweepOps, ByHandOps, DeadlineOps):
+class TaskQueue(SweepOps, ByHandOps, DeadlineOps, DependencyOps):
     """Queue operations over one database, with an injectable clock."""
 
     # -- producers -----------------------------------------------------------
@@ -103,6 +105,10 @@ class TaskQueue(SweepOps, ByHandOps, DeadlineOps):
             known = conn.execute(sa.select(keys.c.task_id).where(keys.c.key == spec.key)).scalar()
             if known is not None:
                 return Enqueued(int(known), created=False)
+        doomed = None
+        if spec.after:
+            waits, doomed = self._await(conn, spec.after, spec.after_policy)
+            row.update(after_policy=spec.after_policy, run_after=WAITING_DUE if waits else now)
         new_id = conn.execute(self._insert_keyed, row).scalar()
         if new_id is None:  # the key was enqueued meanwhile by another producer
             existing = conn.execute(
@@ -112,6 +118,8 @@ class TaskQueue(SweepOps, ByHandOps, DeadlineOps):
         if spec.key is not None:
             conn.execute(self._insert_key, {"key": spec.key, "task_id": new_id, "created_at": now})
         events.record(conn, [events.event(new_id, None, QUEUED, now, reason="enqueue")])
+        if spec.after:
+            self._wait_for(conn, int(new_id), spec.after, doomed, now)
         return Enqueued(int(new_id), created=True)
 
     def enqueue_many(self, specs: Sequence[TaskSpec]) -> list[int]:
@@ -121,7 +129,7 @@ class TaskQueue(SweepOps, ByHandOps, DeadlineOps):
         on PostgreSQL one statement (the tasks, their events and the workers'
         wake-up) in autocommit; on SQLite one transaction of compiled inserts.
         """
-        if any(s.key is not None for s in specs):
+        if any(s.key is not None or s.after for s in specs):
             return [e.id for e in self.db.write(lambda conn: self.enqueue_on(conn, specs))]
         if not specs:
             return []
@@ -225,6 +233,11 @@ class TaskQueue(SweepOps, ByHandOps, DeadlineOps):
         )
         lost += self._rejections([a for a in acks if a.task_id not in acked])
         tasks = [Task.from_row(row) for row in rows]
+        waited = [task for task in tasks if task.after_policy is not None]
+        if waited:  # the results of the tasks they waited for, as their inputs
+            inputs = self.inputs(task.id for task in waited)
+            for task in waited:
+                task.payload["inputs"] = inputs.get(task.id, [])
         return lost, sorted(tasks, key=lambda task: (-task.priority, task.run_after, task.id))
 
     def has_due(self, agent: str, *, groups: GroupRule | None = None) -> bool:

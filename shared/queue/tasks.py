@@ -57,6 +57,10 @@ class TaskSpec:
     # Its group (a conversation, a customer): with the agent's group_concurrency, at most
     # that many of a group's tasks run at once, in enqueue order.
     group: str | None = None
+    # The ids of tasks it waits for, and whether they must all be done ("all_done") or
+    # only ended ("any_end"): agentbus.queue.dependencies.
+    after: tuple[int, ...] = ()
+    after_policy: str = "all_done"
     # Measured once by validate(), for the limits the queue checks at enqueue.
     payload_depth: int = field(default=0, init=False, repr=False, compare=False)
     payload_bytes: int = field(default=0, init=False, repr=False, compare=False)
@@ -158,6 +162,10 @@ def validate(spec: TaskSpec) -> None:
     ):
         raise InvalidTask(f"the group must be a string of 1 to {MAX_KEY} characters")
     _check_deadline(spec)
+    if spec.after or spec.after_policy != "all_done":
+        from agentbus.queue.dependencies import check_after
+
+        check_after(spec.after, spec.after_policy, spec.delay_sec)
 
 
 def _shown(epoch: float) -> str:
@@ -323,6 +331,8 @@ class Task:
     updated_at: float | None
     expires_at: float | None  # the deadline: not started by then, never started
     group_key: str | None  # its group: turns one at a time (the agent's group_concurrency)
+    after_policy: str | None  # set when it waits for tasks (agentbus.queue.dependencies)
+    awaited: bool  # a task waits for it
 
     problem: str | None = None  # why this row cannot be run (set by from_row)
 
@@ -347,6 +357,7 @@ class Task:
             models=tuple(models) if isinstance(models, list) else None,
             claim_token=token if type(token) is int else 0,
             result_detail=detail if isinstance(detail, dict) else None,
+            awaited=bool(row.get("awaited")),
         )
         # Every field set at once: a frozen dataclass's __init__ sets each of its 32
         # through object.__setattr__, which cost most of reading a claimed task (a worker
@@ -387,7 +398,17 @@ class Task:
 _STORED_AS_IS = tuple(
     name
     for name in Task.__dataclass_fields__
-    if name not in {"problem", "id", "status", "payload", "models", "claim_token", "result_detail"}
+    if name
+    not in {
+        "problem",
+        "id",
+        "status",
+        "payload",
+        "models",
+        "claim_token",
+        "result_detail",
+        "awaited",
+    }
 )
 
 
