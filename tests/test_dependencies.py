@@ -136,13 +136,20 @@ def test_a_chain_of_a_thousand_runs_in_order(db: Database, queue: TaskQueue) -> 
 def test_a_failed_dependency_cancels_the_chain_after_it_in_one_sweep(
     db: Database, queue: TaskQueue, clock: FakeClock
 ) -> None:
-    chain = enqueue_chain(db, queue, 1000)
+    """A chain of 300 and a fork off it: the whole tree after the failure is cancelled by
+    one pass, each naming the task it waited for (the chain of 1,000 above runs through
+    the same release; a cancel's cascade is the same step at any depth)."""
+    chain = enqueue_chain(db, queue, 300)
     head = chain[0]
-    tolerant = enqueue(queue, chain[500], after_policy="any_end")
+    tolerant = enqueue(queue, chain[150], after_policy="any_end")
+    fork = [enqueue(queue, chain[10]) for _ in range(3)]
     assert claim(queue) == [head]
     queue.fail(head, queue.get(head).claim_token, "bad input")
     counts = jobs.dependencies(jobs.Sweep(db, LiveConfig.fixed(Settings()), clock=clock))
-    assert counts == {"dependency_cancelled": 999}
+    assert counts == {"dependency_cancelled": 299 + 3}
+    assert {queue.get(f).result_note for f in fork} == {
+        f"dependency: task {chain[10]} ended cancelled"
+    }
     second, last = queue.get(chain[1]), queue.get(chain[-1])
     assert (
         second.status == "cancelled"
@@ -354,3 +361,18 @@ def test_status_metrics_and_render_show_the_tasks_waiting_for_others(
     assert {s.labels["agent"]: s.value for s in samples} == {"codex": 2, "writer": 1}
     run(queue, dep)
     assert status.snapshot(db, Settings(), kpis=False)["waiting"] == {}
+
+
+def test_retention_deletes_what_a_pruned_task_waited_for(
+    db: Database, queue: TaskQueue, clock: FakeClock
+) -> None:
+    from agentbus.queue import retention
+
+    dep = enqueue(queue)
+    waiter = enqueue(queue, dep)
+    run(queue, dep)
+    run(queue, waiter)
+    assert counted(db)["task_dependencies"] == 1
+    clock.advance(3600)
+    assert retention.prune(db, clock.now, done_sec=60, failed_sec=60, batch=100) == 2
+    assert counted(db)["task_dependencies"] == 0
