@@ -171,9 +171,9 @@ class Worker:
                     continue
                 self._reload_if_changed()
                 tasks = self._claim(room)  # acknowledging the last completions with it
-                if not tasks and self._acked_turns:
-                    # Those completions may free their groups' next turns, or tasks
-                    # waiting for them: a claim in their statement (PostgreSQL) sees none.
+                while not tasks and self._acked_turns:
+                    # Acks may free a group's next turn or a waiter, which a claim in their
+                    # statement (PostgreSQL) cannot see: again while a claim acked some.
                     tasks = self._claim(room)
                 if not tasks:
                     self.idle.found_nothing(running=bool(self._in_slots))
@@ -419,8 +419,7 @@ class Worker:
         return {rejected.task_id for rejected in lost}
 
     def _claim(self, room: int) -> list[Task]:
-        """Acknowledge the completed tasks and claim up to ``room`` more, in one
-        transaction; returns the tasks claimed."""
+        """Acknowledge the completed tasks and claim up to ``room`` more, in one transaction."""
         with self._lock:
             acks, self._acks = self._acks, []
         try:
